@@ -1,0 +1,165 @@
+"""What a guard records: events, the report that collects them, and GuardError.
+
+Torch-free on purpose: the CLI's ``report`` command and the pytest plugin read
+events without importing torch.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Union
+
+from flake8_amp.catalog import rule, severity_rank
+
+#: Version tag of ``Report.to_json()`` and of each ``events.jsonl`` line.
+SCHEMA = "amp_runtime.events/1"
+
+
+@dataclass
+class Event:
+    """One finding of the runtime guard.
+
+    ``step`` is the 0-based index of the training step the event happened in (steps
+    completed before it), ``None`` before any step; ``source`` is ``file:line`` of the
+    user's code that called the op.
+    """
+
+    code: str
+    name: str
+    severity: str
+    message: str
+    op: Optional[str] = None
+    module: Optional[str] = None
+    step: Optional[int] = None
+    source: Optional[str] = None
+    rank: Optional[int] = None
+    details: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, code: str, *, severity: Optional[str] = None, **fields: Any) -> "Event":
+        """An event whose name, default severity and message come from the catalog.
+
+        ``fields`` fills the catalog's message template; keys that are Event fields
+        (``op``, ``module``, ``step``, ``source``, ``rank``, ``details``) go there.
+        """
+        entry = rule(code)
+        own = {k: fields.pop(k) for k in ("op", "module", "step", "source", "rank", "details") if k in fields}
+        return cls(
+            code=code,
+            name=entry.name,
+            severity=severity or entry.severity,
+            message=entry.format(**fields),
+            **own,
+        )
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "Event":
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+    def where(self) -> str:
+        """Module and source in one phrase, for messages."""
+        parts = [p for p in (self.module and f"in {self.module}", self.source and f"at {self.source}") if p]
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        step = "" if self.step is None else f" [step {self.step}]"
+        op = f" {self.op}:" if self.op else ""
+        where = self.where()
+        return f"{self.code} ({self.severity}){step}{op} {self.message}" + (f" {where}" if where else "")
+
+
+class GuardError(RuntimeError):
+    """Raised under ``policy="raise"``; ``.event`` is the event that stopped the run."""
+
+    def __init__(self, event: Event):
+        super().__init__(str(event))
+        self.event = event
+
+
+class Report:
+    """The events of one guard, in the order they happened."""
+
+    def __init__(self, events: Iterable[Event] = ()):
+        self.events: List[Event] = list(events)
+
+    def add(self, event: Event) -> None:
+        self.events.append(event)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def codes(self) -> Counter:
+        return Counter(e.code for e in self.events)
+
+    def by_code(self, code_prefix: str) -> List[Event]:
+        return [e for e in self.events if e.code.startswith(code_prefix)]
+
+    def worst(self) -> Optional[str]:
+        return min((e.severity for e in self.events), key=severity_rank, default=None)
+
+    def grouped(self) -> List[List[Event]]:
+        """Events grouped by (code, source, module), in order of first occurrence."""
+        groups: Dict[tuple, List[Event]] = {}
+        for e in self.events:
+            groups.setdefault((e.code, e.source, e.module), []).append(e)
+        return list(groups.values())
+
+    def summary(self, width: int = 100) -> str:
+        """A text table: one row per (code, source, module) with a count."""
+        if not self.events:
+            return "amp_runtime: no events"
+        header = ("code", "sev", "count", "step", "op", "module", "source", "message")
+        rows = []
+        for group in self.grouped():
+            first = group[0]
+            rows.append((
+                first.code, first.severity, str(len(group)),
+                "-" if first.step is None else str(first.step),
+                first.op or "-", first.module or "-", first.source or "-", first.message,
+            ))
+        rows.sort(key=lambda r: (severity_rank(r[1]), r[0]))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header[:-1])]
+        fixed = sum(widths) + 2 * len(widths)
+        msg_width = max(20, width - fixed)
+
+        def line(cells):
+            head = "  ".join(c.ljust(w) for c, w in zip(cells, widths))
+            text = cells[-1]
+            return f"{head}  {text if len(text) <= msg_width else text[: msg_width - 1] + '…'}"
+
+        lines = [line(header), line(tuple("-" * w for w in widths) + ("-" * 7,))]
+        lines += [line(r) for r in rows]
+        total = Counter(e.severity for e in self.events)
+        lines.append(f"{len(self.events)} event(s): " + ", ".join(f"{total[s]} {s}" for s in sorted(total)))
+        return "\n".join(lines)
+
+    def to_json(self) -> Dict[str, Any]:
+        """Stable schema: ``{"schema", "events": [Event...], "counts": {code: n}}``."""
+        return {
+            "schema": SCHEMA,
+            "events": [e.to_json() for e in self.events],
+            "counts": dict(sorted(self.codes().items())),
+        }
+
+    @classmethod
+    def from_jsonl(cls, path: Union[str, Path]) -> "Report":
+        """Read an ``events.jsonl`` file written by a guard's ``log_dir``."""
+        events = []
+        with open(path, encoding="utf-8") as fh:
+            for number, text in enumerate(fh, 1):
+                if not text.strip():
+                    continue
+                try:
+                    events.append(Event.from_json(json.loads(text)))
+                except (ValueError, TypeError) as err:
+                    raise ValueError(f"{path}:{number}: not an amp_runtime event: {err}") from None
+        return cls(events)
