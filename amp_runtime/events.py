@@ -41,11 +41,11 @@ class Event:
     def create(cls, code: str, *, severity: Optional[str] = None, **fields: Any) -> "Event":
         """An event whose name, default severity and message come from the catalog.
 
-        ``fields`` fills the catalog's message template; keys that are Event fields
-        (``op``, ``module``, ``step``, ``source``, ``rank``, ``details``) go there.
+        ``fields`` fills the catalog's message template; those that are Event fields
+        (``op``, ``module``, ``step``, ``source``, ``rank``, ``details``) are also set.
         """
         entry = rule(code)
-        own = {k: fields.pop(k) for k in ("op", "module", "step", "source", "rank", "details") if k in fields}
+        own = {k: fields[k] for k in _LOCATION_FIELDS if k in fields}
         return cls(
             code=code,
             name=entry.name,
@@ -72,6 +72,9 @@ class Event:
         op = f" {self.op}:" if self.op else ""
         where = self.where()
         return f"{self.code} ({self.severity}){step}{op} {self.message}" + (f" {where}" if where else "")
+
+
+_LOCATION_FIELDS = ("op", "module", "step", "source", "rank", "details")
 
 
 class GuardError(RuntimeError):

@@ -40,9 +40,10 @@ class Rule:
         """The message text (without the code), with the fix hint appended."""
         try:
             text = self.message.format(**fields)
+            hint = self.hint.format(**fields)
         except KeyError as missing:
             raise KeyError(f"{self.code} message needs field {missing}") from None
-        return f"{text} ({self.hint})" if self.hint else text
+        return f"{text} ({hint})" if hint else text
 
 
 def severity_rank(severity: str) -> int:

@@ -1,0 +1,1 @@
+"""pytest plugin for amp_runtime (fixture amp_guard); being written."""
