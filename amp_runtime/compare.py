@@ -1,0 +1,426 @@
+"""How much precision each module loses under autocast, measured against float32.
+
+``compare(model, inputs, dtype=torch.bfloat16)`` runs the same inputs twice — in
+float32 and under ``torch.autocast`` with ``dtype`` — and compares every module's
+output. Errors accumulate downstream, so the output error of a late layer says little
+about where the precision went; each module is therefore also re-run on its exact
+float32 inputs with its submodules kept in float32 (the error of its *own* code).
+Modules whose own error is well beyond the rounding of ``dtype`` are named as the ones
+to keep in float32, with a snippet that does it.
+
+The comparison is deterministic (a fixed seed before every run) and leaves the model
+as it found it: training flags, parameters, buffers and the global RNG state.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+#: An element counts as a mismatch when its relative error exceeds this (0.1 %).
+MISMATCH_RELATIVE = 1e-3
+#: Default tolerance on a module's own relative L2 error, in units of the dtype's epsilon.
+TOLERANCE_EPS = 4.0
+#: A module whose output error exceeds its inputs' error this many times amplifies it.
+AMPLIFICATION = 4.0
+_SEED = 0
+_ROOT = "(model)"
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """Low-precision output against the float32 reference, over all its float elements."""
+
+    numel: int
+    max_abs: float
+    max_rel: float
+    #: ||low - ref|| / ||ref||: the single number modules are ranked by.
+    rel_l2: float
+    cosine: float
+    #: Fraction of elements whose relative error exceeds 0.1 %.
+    mismatch_fraction: float
+    #: The low-precision output holds NaN/Inf where the float32 one was finite.
+    nonfinite: bool
+
+    @classmethod
+    def between(cls, reference: torch.Tensor, low: torch.Tensor) -> "ErrorStats":
+        ref = reference.double()
+        approx = low.double()
+        finite_ref = torch.isfinite(ref)
+        nonfinite = bool((finite_ref & ~torch.isfinite(approx)).any())
+        ref = torch.where(finite_ref, ref, 0.0)
+        approx = torch.where(finite_ref & torch.isfinite(approx), approx, 0.0)
+        diff = (approx - ref).abs()
+        magnitude = ref.abs()
+        # Exact zeros in the reference would make every ratio infinite; measure those
+        # against a floor one millionth of the largest reference value instead.
+        floor = max(float(magnitude.max()) * 1e-6, torch.finfo(torch.float32).tiny) if ref.numel() else 1.0
+        rel = diff / magnitude.clamp_min(floor)
+        ref_norm = float(ref.norm())
+        diff_norm = float(diff.norm())
+        denom = ref_norm * float(approx.norm())
+        return cls(
+            numel=ref.numel(),
+            max_abs=float(diff.max()) if ref.numel() else 0.0,
+            max_rel=float(rel.max()) if ref.numel() else 0.0,
+            rel_l2=diff_norm / ref_norm if ref_norm else (0.0 if diff_norm == 0 else math.inf),
+            cosine=float((ref * approx).sum()) / denom if denom else (1.0 if diff_norm == 0 else 0.0),
+            mismatch_fraction=float((rel > MISMATCH_RELATIVE).double().mean()) if ref.numel() else 0.0,
+            nonfinite=nonfinite,
+        )
+
+
+@dataclass
+class ModuleError:
+    name: str
+    kind: str
+    #: End to end: this module's output in the autocast run against the float32 run.
+    output: ErrorStats
+    #: This module's own code: re-run under autocast on its exact float32 inputs with
+    #: its submodules kept in float32.
+    own: Optional[ErrorStats]
+    #: The inputs it received in the autocast run against those of the float32 run.
+    inputs: Optional[ErrorStats] = None
+    calls: int = 1
+    #: Why it should stay in float32; "" when it need not.
+    reason: str = ""
+
+    def badness(self) -> Tuple[bool, bool, float]:
+        stats = self.own or self.output
+        return (bool(self.reason), stats.nonfinite, stats.rel_l2)
+
+
+@dataclass
+class CompareResult:
+    dtype: str
+    device_type: str
+    #: The relative L2 error above which a module's own error is "too much".
+    tolerance: float
+    #: Ranked: worst own error first.
+    modules: List[ModuleError]
+    keep_fp32: List[str] = field(default_factory=list)
+
+    def module(self, name: str) -> ModuleError:
+        for entry in self.modules:
+            if entry.name == name:
+                return entry
+        raise KeyError(name)
+
+    def output_error(self) -> float:
+        """Relative L2 error of the model's own output."""
+        return self.module(_ROOT).output.rel_l2
+
+    def snippet(self) -> str:
+        """Python code that keeps the recommended modules in float32 under autocast."""
+        if not self.keep_fp32:
+            return ""
+        names = ",\n    ".join(repr(n) for n in self.keep_fp32)
+        return (
+            "import torch\n\n"
+            "def keep_fp32(module):\n"
+            '    """Run this module in float32 even inside an autocast region."""\n'
+            "    forward = module.forward\n\n"
+            "    def fp32_forward(*args, **kwargs):\n"
+            f"        with torch.autocast(device_type={self.device_type!r}, enabled=False):\n"
+            "            cast = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t\n"
+            "            return forward(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})\n\n"
+            "    module.forward = fp32_forward\n\n"
+            f"for name in [\n    {names},\n]:\n"
+            "    keep_fp32(model if name == '' else model.get_submodule(name))\n"
+        )
+
+    def table(self, limit: Optional[int] = 20) -> str:
+        header = ("module", "type", "own rel-L2", "out rel-L2", "max abs", "max rel", "cosine", ">0.1%")
+        rows = []
+        for entry in self.modules[:limit]:
+            own = entry.own
+            out = entry.output
+            rows.append((
+                entry.name, entry.kind,
+                "-" if own is None else _fmt_err(own),
+                _fmt_err(out), f"{out.max_abs:.3g}", f"{out.max_rel:.3g}",
+                f"{out.cosine:.6f}", f"{out.mismatch_fraction:.1%}",
+            ))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in [header, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if limit is not None and len(self.modules) > limit:
+            lines.append(f"... {len(self.modules) - limit} more module(s)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        parts = [
+            f"{self.dtype} autocast on {self.device_type} against float32, "
+            f"{len(self.modules)} module(s), tolerance rel-L2 {self.tolerance:.3g}; "
+            f"model output rel-L2 {self.output_error():.3g}",
+            self.table(),
+        ]
+        if self.keep_fp32:
+            reasons = {m.name: m.reason for m in self.modules}
+            parts.append("Keep in float32:\n" + "\n".join(
+                f"  {n or _ROOT}: {reasons[n or _ROOT]}" for n in self.keep_fp32))
+            parts.append(self.snippet())
+        else:
+            parts.append(f"Every module stays within tolerance in {self.dtype}.")
+        return "\n\n".join(parts)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "device_type": self.device_type,
+            "tolerance": self.tolerance,
+            "keep_fp32": list(self.keep_fp32),
+            "modules": [asdict(m) for m in self.modules],
+        }
+
+
+def _fmt_err(stats: ErrorStats) -> str:
+    return "NaN/Inf" if stats.nonfinite else f"{stats.rel_l2:.3g}"
+
+
+def compare(
+    model: nn.Module,
+    inputs: Any,
+    dtype: torch.dtype = torch.bfloat16,
+    device_type: Optional[str] = None,
+    *,
+    tolerance: Optional[float] = None,
+    train: bool = False,
+) -> CompareResult:
+    """Compare every module of ``model`` under ``autocast(dtype)`` against float32.
+
+    ``inputs`` is one tensor, a tuple/list of positional arguments, or a dict of
+    keyword arguments. ``device_type`` defaults to the inputs' (else the parameters')
+    device. ``tolerance`` is the own relative L2 error above which a module is named
+    to keep in float32 (default: 4 × the dtype's epsilon). ``train=True`` compares in
+    training mode (dropout draws the same mask in both runs).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compare() needs an nn.Module, got {type(model).__name__}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    args, kwargs = _as_call(inputs)
+    device_type = device_type or _device_type(model, args, kwargs)
+    if not torch.amp.is_autocast_available(device_type):
+        raise ValueError(f"autocast is not available for device type {device_type!r}")
+    if tolerance is None:
+        tolerance = TOLERANCE_EPS * torch.finfo(dtype).eps
+
+    names = {module: (name or _ROOT) for name, module in model.named_modules()}
+    devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
+    with _preserved(model, train), torch.random.fork_rng(devices=devices), torch.no_grad():
+        ref_outputs, ref_inputs = _record(model, names, args, kwargs, device_type, None)
+        low_outputs, low_inputs = _record(model, names, args, kwargs, device_type, dtype)
+        results = []
+        for module, name in names.items():
+            if name not in ref_outputs or name not in low_outputs:
+                continue  # never called, or no floating-point output
+            (ref_out, calls), (low_out, _) = ref_outputs[name], low_outputs[name]
+            if ref_out.shape != low_out.shape:
+                continue
+            m_args, m_kwargs = ref_inputs[name]
+            own_ref = _flat_output(_run(module, m_args, m_kwargs, device_type, None))
+            with _children_in_fp32(module, device_type):
+                own_low = _flat_output(_run(module, m_args, m_kwargs, device_type, dtype))
+            own = ErrorStats.between(own_ref, own_low) if own_ref is not None and own_low is not None else None
+            ref_in, low_in = _flat_output(ref_inputs[name]), _flat_output(low_inputs[name])
+            inputs = None if ref_in is None or low_in is None else ErrorStats.between(ref_in, low_in)
+            results.append(ModuleError(
+                name, type(module).__name__, ErrorStats.between(ref_out, low_out), own, inputs, calls,
+            ))
+    results.sort(key=lambda m: m.badness(), reverse=True)
+    for entry in results:
+        entry.reason = _reason(entry, tolerance)
+    return CompareResult(
+        dtype=str(dtype).replace("torch.", ""),
+        device_type=device_type,
+        tolerance=tolerance,
+        modules=results,
+        keep_fp32=_keep_fp32(results),
+    )
+
+
+def _reason(entry: ModuleError, tolerance: float) -> str:
+    """Why this module should stay in float32, or "" when it need not."""
+    own, out = entry.own, entry.output
+    input_error = entry.inputs.rel_l2 if entry.inputs else 0.0
+    if entry.inputs is not None and entry.inputs.nonfinite:
+        return ""  # NaN/Inf arrived from upstream
+    if own is not None and own.nonfinite:
+        return "its own code overflows to NaN/Inf"
+    if own is not None and own.rel_l2 > tolerance:
+        return f"its own code loses precision (rel-L2 {own.rel_l2:.3g} > {tolerance:.3g})"
+    if out.nonfinite:
+        return "its output turns NaN/Inf on finite inputs"
+    if out.rel_l2 > tolerance and out.rel_l2 > AMPLIFICATION * max(input_error, tolerance / AMPLIFICATION):
+        return f"amplifies its inputs' rounding error {out.rel_l2 / max(input_error, 1e-12):.0f}x"
+    return ""
+
+
+def _keep_fp32(results: Sequence[ModuleError]) -> List[str]:
+    """The modules to keep in float32: each flagged module, except one flagged only
+    for its output whose submodule is flagged (that submodule explains it), and except
+    those inside another named module (keeping a module in float32 covers them)."""
+    flagged = {m.name: m for m in results if m.reason}
+
+    def inside(child: str, parent: str) -> bool:
+        return child != parent and (parent == _ROOT or child.startswith(parent + "."))
+
+    def own_ok(entry: ModuleError) -> bool:
+        return not entry.reason.startswith("its own code")
+
+    explained = {n for n, m in flagged.items() if own_ok(m) and any(inside(o, n) for o in flagged)}
+    chosen = [n for n in flagged if n not in explained]
+    chosen = [n for n in chosen if not any(inside(n, o) for o in chosen)]
+    return ["" if n == _ROOT else n for n in chosen]
+
+
+def _fp32_forward(forward, device_type):
+    """``forward`` run with autocast off and floating-point arguments upcast."""
+
+    def cast(value):
+        return value.float() if torch.is_tensor(value) and value.is_floating_point() else value
+
+    def run(*args, **kwargs):
+        with torch.autocast(device_type=device_type, enabled=False):
+            return forward(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+
+    return run
+
+
+class _children_in_fp32:
+    """Temporarily run a module's direct children (and so all its submodules) in float32."""
+
+    def __init__(self, module: nn.Module, device_type: str):
+        self.children = list(module.children())
+        self.device_type = device_type
+
+    def __enter__(self):
+        # A forward already set on the instance (a user's own wrapper) is put back on exit.
+        self.saved = [vars(child).get("forward") for child in self.children]
+        for child in self.children:
+            child.forward = _fp32_forward(child.forward, self.device_type)
+
+    def __exit__(self, *exc):
+        for child, saved in zip(self.children, self.saved):
+            if saved is None:
+                del child.forward  # the class's forward shows again
+            else:
+                child.forward = saved
+        return False
+
+
+def _record(model, names, args, kwargs, device_type, dtype):
+    """One forward pass; every module's output flattened to one float vector (several
+    calls of the same module are concatenated), and the first call's inputs."""
+    outputs: Dict[str, Tuple[torch.Tensor, int]] = {}
+    inputs_seen: Dict[str, Tuple[tuple, dict]] = {}
+
+    def before(module, m_args, m_kwargs):
+        name = names.get(module)
+        if name is not None and name not in inputs_seen:
+            inputs_seen[name] = _clone((m_args, m_kwargs))
+
+    def after(module, m_args, m_kwargs, output):
+        name = names.get(module)
+        flat = _flat_output(output)
+        if name is None or flat is None:
+            return
+        previous, calls = outputs.get(name, (None, 0))
+        outputs[name] = (flat if previous is None else torch.cat([previous, flat]), calls + 1)
+
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
+    try:
+        _run(model, args, kwargs, device_type, dtype)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, inputs_seen
+
+
+def _run(module, args, kwargs, device_type, dtype):
+    torch.manual_seed(_SEED)
+    if torch.cuda.is_available() and device_type == "cuda":
+        torch.cuda.manual_seed_all(_SEED)
+    if dtype is None:
+        with torch.autocast(device_type=device_type, enabled=False):
+            return module(*args, **kwargs)
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        return module(*args, **kwargs)
+
+
+def _as_call(inputs) -> Tuple[tuple, dict]:
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def _tensors(value) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _flat_output(output) -> Optional[torch.Tensor]:
+    """All floating-point tensors of an output (tensor, tuple, list, dict), as one vector."""
+    parts = [t.detach().reshape(-1).float() for t in _tensors(output) if t.is_floating_point()]
+    if not parts:
+        return None
+    return torch.cat(parts).cpu()
+
+
+def _clone(value):
+    """Deep copy of tensors in a call's arguments, so later in-place ops don't alter them."""
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*map(_clone, value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_clone, value))
+    return value
+
+
+def _device_type(model, args, kwargs) -> str:
+    for tensor in _tensors((args, kwargs)):
+        return tensor.device.type
+    for param in model.parameters():
+        return param.device.type
+    return "cpu"
+
+
+class _preserved:
+    """Set eval (or train) mode for the comparison; restore every module's training
+    flag and every buffer (e.g. BatchNorm running stats) afterwards."""
+
+    def __init__(self, model: nn.Module, train: bool):
+        self.model = model
+        self.train = train
+
+    def __enter__(self):
+        self.flags = [(m, m.training) for m in self.model.modules()]
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.model.train(self.train)
+        return self
+
+    def __exit__(self, *exc):
+        for module, flag in self.flags:
+            module.training = flag
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        return False
