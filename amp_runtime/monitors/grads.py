@@ -1,0 +1,190 @@
+"""Gradient health once per training step: AMP103, AMP104, AMP105, AMP106.
+
+Where the gradients are read:
+
+* with a GradScaler, right after the scaler unscaled them (``torch._amp_foreach_non_finite_check_and_unscale_``
+  seen through the guard's mode): the values are unscaled, and the scaler's own ``found_inf`` already says
+  whether the step will be skipped, so no separate finiteness pass is needed;
+* otherwise in a global optimizer step pre-hook (the gradients the optimizer is about to apply; if a scaler
+  scaled them and nobody unscaled them, they are divided by the scale before judging);
+* for loops with neither, at ``guard.step()`` over the ``model=`` parameters.
+
+The statistics of one set of gradients are a handful of ``torch._foreach_*`` kernels (a fused pass, no
+per-parameter Python work on the device side) producing one small ``(4, n)`` tensor. They stay on the device
+until the step ends, where all of a step's samples are read with one host transfer. Gradient accumulation
+is judged once per step because samples are taken where the optimizer consumes the gradients, not at
+backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from flake8_amp.catalog import FP16_TINY_SUBNORMAL
+from amp_runtime.thresholds import Thresholds
+
+#: A value whose magnitude is at most this rounds to zero in float16 (round-to-nearest-even).
+FP16_FLUSH_LIMIT = FP16_TINY_SUBNORMAL / 2
+
+#: How many layer names a message lists before "…".
+_NAMES_IN_MESSAGE = 5
+
+#: Rows of the statistics tensor.
+MAX, NORM, NONZERO, SURVIVES = range(4)
+
+
+def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-gradient statistics of same-device ``grads`` as one ``(4, n)`` float32 tensor, without a host sync.
+
+    Rows: max |g| (NaN/Inf propagate), L2 norm, number of nonzero elements, and — when ``loss_scale`` (the
+    factor the gradients would be multiplied by in the fp16 backward, a device tensor) is given — the number
+    of elements whose value times ``loss_scale`` survives the cast to float16; NaN otherwise.
+    """
+    grads = list(grads)
+    with torch.no_grad():
+        rows = [
+            torch._foreach_norm(grads, math.inf, dtype=torch.float32),
+            torch._foreach_norm(grads, 2, dtype=torch.float32),
+            torch._foreach_norm(grads, 0, dtype=torch.float32),
+        ]
+        if loss_scale is None:
+            survives = [torch.full((), math.nan, device=grads[0].device)] * len(grads)
+        else:
+            # |g * scale| - limit > 0  <=>  the scaled value does not flush; counted by an L0 norm.
+            magnitude = torch._foreach_mul([g.float() for g in grads], loss_scale.to(grads[0].device))
+            torch._foreach_abs_(magnitude)
+            torch._foreach_sub_(magnitude, FP16_FLUSH_LIMIT)
+            torch._foreach_clamp_min_(magnitude, 0.0)
+            survives = torch._foreach_norm(magnitude, 0, dtype=torch.float32)
+        rows.append(survives)
+        return torch.stack([torch.stack(row) for row in rows])
+
+
+@dataclass
+class GradSample:
+    """Device-side statistics of one set of gradients, waiting for the step's single host read."""
+
+    names: List[str]
+    numels: List[int]
+    stats: torch.Tensor
+    #: The gradients were still multiplied by this loss scale when sampled (None: unscaled).
+    scaled_by: Optional[torch.Tensor] = None
+    #: The loss scale in effect (AMP106 reference), None when no scaler is involved.
+    loss_scale: Optional[torch.Tensor] = None
+
+
+@dataclass
+class LayerGrad:
+    """Host-side statistics of one parameter's gradient, on unscaled values."""
+
+    name: str
+    numel: int
+    max: float
+    norm: float
+    zero_fraction: float
+    #: Fraction of the nonzero elements that flush to zero in fp16 at the loss scale (None without one).
+    underflow_fraction: Optional[float]
+
+    def to_json(self) -> Dict[str, Optional[float]]:
+        return {
+            "max": self.max,
+            "norm": self.norm,
+            "zero_fraction": self.zero_fraction,
+            "underflow_fraction": self.underflow_fraction,
+        }
+
+
+def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Optional[float]]:
+    """All of a step's samples as layer statistics (one host read) and the loss scale they were judged at."""
+    if not samples:
+        return [], None
+    extra = [s.scaled_by if s.scaled_by is not None else torch.full((), 1.0) for s in samples]
+    extra += [s.loss_scale if s.loss_scale is not None else torch.full((), math.nan) for s in samples]
+    host = torch.cat([s.stats.flatten().cpu() for s in samples] + [e.detach().float().reshape(1).cpu() for e in extra]).tolist()
+    factors = host[-2 * len(samples):-len(samples)]
+    scales = host[-len(samples):]
+    layers: List[LayerGrad] = []
+    offset = 0
+    for sample, factor, scale in zip(samples, factors, scales):
+        n = len(sample.names)
+        rows = [host[offset + r * n: offset + (r + 1) * n] for r in range(4)]
+        offset += 4 * n
+        for i, (name, numel) in enumerate(zip(sample.names, sample.numels)):
+            nonzero = rows[NONZERO][i]
+            survives = rows[SURVIVES][i]
+            underflow = None
+            if not math.isnan(survives):
+                underflow = (nonzero - survives) / nonzero if nonzero else 0.0
+            layers.append(LayerGrad(
+                name=name,
+                numel=numel,
+                max=rows[MAX][i] / factor,
+                norm=rows[NORM][i] / factor,
+                zero_fraction=1.0 - nonzero / numel if numel else 0.0,
+                underflow_fraction=underflow,
+            ))
+    known_scales = [s for s in scales if not math.isnan(s)]
+    return layers, (known_scales[-1] if known_scales else None)
+
+
+def layer_of(param_name: str) -> str:
+    """The module path of a parameter name (``blocks.0.fc.weight`` -> ``blocks.0.fc``)."""
+    return param_name.rpartition(".")[0] or param_name
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:_NAMES_IN_MESSAGE])
+    return shown + (f" and {len(names) - _NAMES_IN_MESSAGE} more" if len(names) > _NAMES_IN_MESSAGE else "")
+
+
+def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], limits: Thresholds) -> List[Tuple[str, dict]]:
+    """The findings of one step's gradients as ``(code, emit keyword arguments)``, layers earliest first."""
+    if not layers:
+        return []
+    findings: List[Tuple[str, dict]] = []
+    nonfinite = [layer_of(g.name) for g in layers if not math.isfinite(g.max)]
+    if nonfinite:
+        names = list(dict.fromkeys(nonfinite))
+        findings.append(("AMP103", dict(where=_listing(names), module=names[0], details={"layers": names})))
+        return findings  # norms of non-finite gradients mean nothing
+
+    total = math.sqrt(sum(g.norm ** 2 for g in layers))
+    largest = max(layers, key=lambda g: g.norm)
+    if total > limits.grad_explosion:
+        p0 = total > limits.grad_explosion_p0
+        limit = limits.grad_explosion_p0 if p0 else limits.grad_explosion
+        findings.append(("AMP104", dict(
+            severity="P0" if p0 else "P1", norm=total, limit=limit, module=layer_of(largest.name),
+            details={"total_norm": total, "largest": largest.name, "largest_norm": largest.norm},
+        )))
+
+    if total < limits.grad_vanishing_total:
+        findings.append(("AMP105", dict(
+            detail=f"total gradient norm {total:.3g} is below {limits.grad_vanishing_total:g}",
+            details={"total_norm": total},
+        )))
+    else:
+        layer_max: Dict[str, float] = {}
+        for g in layers:
+            key = layer_of(g.name)
+            layer_max[key] = max(layer_max.get(key, 0.0), g.max)
+        vanished = [name for name, value in layer_max.items() if value < limits.grad_vanishing_layer]
+        if vanished:
+            findings.append(("AMP105", dict(
+                detail=f"gradients vanished (max |g| < {limits.grad_vanishing_layer:g}) in "
+                       f"{len(vanished)} layer(s): {_listing(vanished)}",
+                module=vanished[0],
+                details={"layers": vanished, "total_norm": total},
+            )))
+
+    if loss_scale is not None:
+        for g in layers:
+            if g.underflow_fraction is not None and g.underflow_fraction > limits.grad_underflow_fraction:
+                findings.append(("AMP106", dict(
+                    fraction=g.underflow_fraction, layer=g.name, scale=loss_scale, module=layer_of(g.name),
+                    details={"parameter": g.name, "loss_scale": loss_scale, "zero_fraction": g.zero_fraction},
+                )))
+    return findings

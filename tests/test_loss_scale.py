@@ -1,0 +1,76 @@
+"""Loss-scale history (AMP107, AMP108, AMP109): the judgement on its own and through a guarded fp16 run."""
+import pytest
+import torch
+
+from amp_runtime.monitors.scaler import LossScaleHistory
+from amp_runtime.thresholds import Thresholds
+
+
+def codes(findings):
+    return [code for code, _ in findings]
+
+
+def run_history(scales_and_skips, init=65536.0, limits=Thresholds()):
+    history = LossScaleHistory(init, limits)
+    return [history.observe(scale, skipped) for scale, skipped in scales_and_skips]
+
+
+def halving(init=65536.0, steps=20):
+    return [(init / 2 ** (i + 1), True) for i in range(steps)]
+
+
+def test_steady_or_growing_scale_is_healthy():
+    sequence = [(65536.0, False)] * 50 + [(131072.0, False)] * 50
+    assert not any(run_history(sequence))
+
+
+def test_five_consecutive_decreases_report_decline_once():
+    per_step = run_history(halving(steps=6))
+    assert [codes(f) for f in per_step[:4]] == [[], [], [], []]
+    assert codes(per_step[4]) == ["AMP108"]
+    assert "5 consecutive decreases" in per_step[4][0][1]["reason"]
+    assert per_step[5] == []
+
+
+def test_collapse_at_first_scale_at_or_below_one():
+    per_step = run_history(halving(steps=18))
+    first_collapse = next(i for i, f in enumerate(per_step) if "AMP107" in codes(f))
+    assert 65536.0 / 2 ** (first_collapse + 1) == 1.0
+    assert sum(codes(f).count("AMP107") for f in per_step) == 1
+    reasons = [kw["reason"] for f in per_step for code, kw in f if code == "AMP108"]
+    assert len(reasons) == 3  # consecutive, below init/100, below 128 and falling: each once
+
+
+def test_rising_scale_ends_the_decline_episode():
+    sequence = halving(steps=5) + [(65536.0, False)] + halving(steps=5)
+    per_step = run_history(sequence)
+    assert [i for i, f in enumerate(per_step) if "AMP108" in codes(f)] == [4, 10]
+
+
+def test_small_initial_scale_falling_below_floor():
+    per_step = run_history([(512.0, False), (256.0, True), (64.0, True)], init=512.0)
+    assert codes(per_step[2]) == ["AMP108"]
+    assert "below 128 and falling" in per_step[2][0][1]["reason"]
+
+
+def test_calibration_skips_do_not_count_towards_overflow_rate():
+    sequence = halving(steps=3) + [(8192.0, False)] * 200
+    assert not any(run_history(sequence))
+
+
+def test_overflow_rate_reported_when_skips_recur():
+    steady = [(1024.0, False)] * 60
+    sequence = [(1024.0, False)] + steady + [(1024.0, True)] + steady + [(1024.0, True)] + steady
+    per_step = run_history(sequence, init=1024.0)
+    hits = [(i, kw) for i, f in enumerate(per_step) for code, kw in f if code == "AMP109"]
+    assert len(hits) == 1
+    index, fields = hits[0]
+    assert sequence[index][1] is True and fields["skipped"] == 2
+
+
+@pytest.mark.parametrize("rate, reported", [(0.25, False), (0.1, True)])
+def test_overflow_rate_threshold_and_window_are_configurable(rate, reported):
+    limits = Thresholds(overflow_rate=rate, overflow_window=10)
+    sequence = [(1024.0, False)] + [(1024.0, i % 5 == 0) for i in range(1, 30)]  # 2 skips in every 10 steps
+    per_step = run_history(sequence, init=1024.0, limits=limits)
+    assert any("AMP109" in codes(f) for f in per_step) is reported
