@@ -1,0 +1,163 @@
+"""Grad mode and purpose of code: no_grad / inference_mode blocks, inference/export code.
+
+Casting to fp16 or computing without gradients is legitimate outside training, so rules
+about training steps ask here first. Code counts as inference when it runs under
+``torch.no_grad()`` / ``torch.inference_mode()`` / ``torch.set_grad_enabled(False)`` (as
+``with`` or decorator), when an enclosing function or class, or the file, is named with
+an inference word (export, infer, inference, predict, deploy, serve, generate, and the
+evaluation words below, plus ``--amp-inference-words``; whole words of snake_case or
+CamelCase names), or when its scope calls ``.eval()`` and never ``.train()`` /
+``.backward()`` (an evaluation script).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, FrozenSet, List, Optional
+
+from astroid import nodes
+
+from flake8_amp.analysis.names import keyword_value, last_part, simple_name
+
+NO_GRAD_CONTEXTS = frozenset(
+    {
+        "torch.no_grad",
+        "torch.inference_mode",
+        "torch.autograd.no_grad",
+        "torch.autograd.inference_mode",
+        "torch.autograd.grad_mode.no_grad",
+        "torch.autograd.grad_mode.inference_mode",
+    }
+)
+SET_GRAD_ENABLED = frozenset({"torch.set_grad_enabled", "torch.autograd.set_grad_enabled", "torch.autograd.grad_mode.set_grad_enabled"})
+
+INFERENCE_WORDS: FrozenSet[str] = frozenset(
+    {
+        "export", "exporter", "exporting", "onnx", "tensorrt", "trt", "torchscript", "jit",
+        "infer", "inference", "predict", "prediction", "predictor", "deploy", "deployment",
+        "serve", "serving", "server", "generate", "generation", "sample", "sampling",
+        "eval", "evaluate", "evaluation", "evaluator", "validate", "validation", "val",
+        "test", "tests", "testing", "demo", "benchmark", "bench", "profile",
+    }
+)
+
+#: Words in function/class names that mark training code.
+TRAINING_WORDS: FrozenSet[str] = frozenset({"train", "trainer", "training", "fit", "finetune", "pretrain"})
+#: Method calls that only training code makes.
+TRAINING_CALLS: FrozenSet[str] = frozenset({"backward", "manual_backward", "zero_grad"})
+
+_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+
+
+def name_words(name: str) -> List[str]:
+    """``export_onnx`` -> [export, onnx]; ``ONNXExporter`` -> [onnx, exporter]."""
+    return [word.lower() for word in _WORD.findall(name)]
+
+
+class GradContext:
+    """Queries about grad mode and the purpose of code, for one module."""
+
+    def __init__(self, context):
+        self.context = context
+        self.names = context.names
+        self.words = INFERENCE_WORDS | context.options.inference_words
+        stem = os.path.splitext(os.path.basename(context.filename or ""))[0]
+        self.file_is_inference = any(word in self.words for word in name_words(stem))
+        self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
+        self._training_scopes: Dict[nodes.NodeNG, bool] = {}
+        self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
+
+    def no_grad_at(self, node: nodes.NodeNG) -> bool:
+        """``node`` runs under no_grad / inference_mode / set_grad_enabled(False)."""
+        child, parent = node, node.parent
+        while parent is not None:
+            if isinstance(parent, nodes.With) and not any(child is e for e, _ in parent.items):
+                if any(self._disables_grad(expr) for expr, _ in parent.items):
+                    return True
+            elif isinstance(parent, nodes.FunctionDef) and parent.decorators is not None:
+                if child is not parent.decorators and any(self._disables_grad(d) for d in parent.decorators.nodes):
+                    return True
+            child, parent = parent, parent.parent
+        return False
+
+    def inference_at(self, node: nodes.NodeNG) -> bool:
+        """``node`` is in code meant for inference, evaluation or export (see module doc)."""
+        if self.file_is_inference:
+            return True
+        scope = node.scope()
+        current: Optional[nodes.NodeNG] = scope
+        while current is not None:
+            if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
+                if any(word in self.words for word in name_words(current.name)):
+                    return True
+            current = current.parent
+        return self._is_eval_scope(scope)
+
+    def training_at(self, node: nodes.NodeNG) -> bool:
+        """There is positive evidence that ``node`` is training code: its scope (or the
+        enclosing class) calls ``.backward()``/``.zero_grad()`` or is named for training."""
+        scope = node.scope()
+        current: Optional[nodes.NodeNG] = scope
+        while current is not None:
+            if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
+                if any(word in TRAINING_WORDS for word in name_words(current.name)):
+                    return True
+            current = current.parent
+        if self._calls_training(scope):
+            return True
+        owner = scope.parent if isinstance(scope, nodes.FunctionDef) else None
+        if isinstance(owner, nodes.ClassDef):
+            return any(
+                self._calls_training(method) or any(w in TRAINING_WORDS for w in name_words(method.name))
+                for method in owner.mymethods()
+            )
+        return False
+
+    def _calls_training(self, scope: nodes.NodeNG) -> bool:
+        if scope not in self._training_scopes:
+            self._training_scopes[scope] = bool(TRAINING_CALLS.intersection(self.called_names(scope)))
+        return self._training_scopes[scope]
+
+    def called_names(self, scope: nodes.NodeNG) -> FrozenSet[str]:
+        """Names called directly in ``scope``: ``x.eval()`` -> "eval", ``save(...)`` -> "save"."""
+        if scope not in self._scope_calls:
+            self._scope_calls[scope] = frozenset(_called_names(scope))
+        return self._scope_calls[scope]
+
+    def not_training_at(self, node: nodes.NodeNG) -> bool:
+        """Either of the above: gradients are off or the code is not training code."""
+        return self.no_grad_at(node) or self.inference_at(node)
+
+    def _disables_grad(self, expr: nodes.NodeNG) -> bool:
+        target = expr.func if isinstance(expr, nodes.Call) else expr
+        qualname = self.names.qualname(target) or ""
+        if qualname in NO_GRAD_CONTEXTS or last_part(qualname) in ("no_grad", "inference_mode"):
+            return True
+        if isinstance(target, (nodes.Name, nodes.Attribute)) and not qualname:
+            simple = target.name if isinstance(target, nodes.Name) else target.attrname
+            if simple in ("no_grad", "inference_mode"):
+                return True
+        if isinstance(expr, nodes.Call) and qualname in SET_GRAD_ENABLED:
+            mode = expr.args[0] if expr.args else keyword_value(expr, "mode")
+            return isinstance(mode, nodes.Const) and mode.value is False
+        return False
+
+    def _is_eval_scope(self, scope: nodes.NodeNG) -> bool:
+        if scope not in self._eval_scopes:
+            called = self.called_names(scope)
+            self._eval_scopes[scope] = "eval" in called and not called & {"train", "backward", "step"}
+        return self._eval_scopes[scope]
+
+
+def _called_names(scope: nodes.NodeNG) -> List[str]:
+    """Names of functions and methods called in ``scope``, not in nested scopes."""
+    found: List[str] = []
+    stack = list(scope.get_children())
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)):
+            continue
+        if isinstance(node, nodes.Call):
+            found.append(simple_name(node.func))
+        stack.extend(node.get_children())
+    return found

@@ -1,0 +1,264 @@
+"""Dtype flow: what floating-point precision an expression's tensor has, when it is known.
+
+Kinds: ``fp32`` (fp32 or wider), ``fp16``, ``bf16``, ``low`` (one of fp16/bf16, which one
+unknown), ``int`` (not floating point), or None (unknown). Sources of knowledge: factory
+calls with ``dtype=``, casts (``.half()``, ``.bfloat16()``, ``.float()``, ``.to(dtype)``,
+``.type(torch.HalfTensor)``), and the per-op rules of autocast inside an enabled region
+(matmul/linear/conv and ``nn.Linear``/``nn.Conv*`` modules produce the region's dtype;
+ops on autocast's fp32 list produce fp32 — per device, from PyTorch's published lists).
+Knowledge flows through names (per function, the assignment that reaches the use),
+arithmetic, indexing and dtype-preserving methods. A generic model call is unknown.
+"""
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, Optional
+
+from astroid import nodes
+
+from flake8_amp.analysis.names import Callee, assigned_value, keyword_value, last_part
+from flake8_amp.analysis.regions import BF16, CPU, FP16, Region
+
+FP32, LOW, INT = "fp32", "low", "int"
+LOW_KINDS = frozenset({FP16, BF16, LOW})
+
+DTYPE_CONSTANTS: Dict[str, str] = {
+    "torch.float16": FP16, "torch.half": FP16, "torch.bfloat16": BF16,
+    "torch.float32": FP32, "torch.float": FP32, "torch.float64": FP32, "torch.double": FP32,
+    "torch.int64": INT, "torch.long": INT, "torch.int32": INT, "torch.int": INT, "torch.int16": INT,
+    "torch.int8": INT, "torch.uint8": INT, "torch.bool": INT, "torch.short": INT,
+}
+TENSOR_TYPES: Dict[str, str] = {
+    "HalfTensor": FP16, "BFloat16Tensor": BF16, "FloatTensor": FP32, "DoubleTensor": FP32,
+    "LongTensor": INT, "IntTensor": INT, "BoolTensor": INT, "ByteTensor": INT,
+}
+CAST_METHODS: Dict[str, str] = {
+    "half": FP16, "bfloat16": BF16, "float": FP32, "double": FP32,
+    "long": INT, "int": INT, "bool": INT, "short": INT, "byte": INT, "char": INT,
+}
+#: Methods and torch functions whose result has their (first) input's dtype.
+PRESERVING: FrozenSet[str] = frozenset(
+    """view view_as reshape reshape_as transpose permute contiguous detach clone abs neg
+    squeeze unsqueeze flatten unflatten expand expand_as repeat repeat_interleave t narrow
+    select index_select gather masked_fill masked_fill_ where flip roll chunk split
+    relu gelu silu tanh sigmoid clamp clamp_ clip sqrt square sin cos dropout pad
+    cuda cpu pin_memory requires_grad_ add add_ sub sub_ mul mul_ div div_ maximum minimum
+    max min amax amin cat stack concat""".split()
+)
+#: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
+CUDA_FP32_OPS: FrozenSet[str] = frozenset(
+    """__pow__ __rdiv__ __rpow__ __rtruediv__ acos asin binary_cross_entropy_with_logits cosh
+    cosine_embedding_loss cdist cosine_similarity cross_entropy cumprod cumsum dist erfinv exp
+    expm1 group_norm hinge_embedding_loss kl_div l1_loss layer_norm log log_softmax log10 log1p
+    log2 margin_ranking_loss mse_loss multilabel_margin_loss multi_margin_loss nll_loss norm
+    normalize pdist poisson_nll_loss pow prod reciprocal rsqrt sinh smooth_l1_loss
+    soft_margin_loss softmax softmin softplus sum renorm tan triplet_margin_loss""".split()
+)
+#: CPU autocast's fp32 list (the ops of it that appear in training code; reductions other
+#: than ``prod`` and the exp/log/softmax family stay in low precision on CPU).
+CPU_FP32_OPS: FrozenSet[str] = frozenset(
+    """prod binary_cross_entropy binary_cross_entropy_with_logits mse_loss cross_entropy nll_loss
+    nll_loss2d l1_loss smooth_l1_loss huber_loss kl_div margin_ranking_loss soft_margin_loss
+    hinge_embedding_loss cosine_embedding_loss triplet_margin_loss multi_margin_loss
+    multilabel_margin_loss poisson_nll_loss ctc_loss cdist quantile nanquantile trace""".split()
+)
+#: Autocast runs these in the region's low-precision dtype (both devices).
+LOW_PRECISION_OPS: FrozenSet[str] = frozenset(
+    """matmul __matmul__ mm bmm addmm addbmm baddbmm addmv addr mv linear bilinear einsum
+    conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d prelu
+    scaled_dot_product_attention chain_matmul multi_dot""".split()
+)
+#: ``nn`` modules whose forward is one of the ops above.
+LOW_PRECISION_MODULES: FrozenSet[str] = frozenset(
+    "torch.nn." + name
+    for name in "Linear Bilinear LazyLinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d".split()
+)
+_ARITHMETIC = frozenset({"+", "-", "*", "/"})
+_MAX_DEPTH = 12
+
+
+def is_low(kind: Optional[str]) -> bool:
+    return kind in LOW_KINDS
+
+
+def autocast_fp32_op(op: str, region: Region) -> bool:
+    """Autocast in ``region`` runs ``op`` in fp32 (device unknown: assume CUDA's list)."""
+    return op in (CPU_FP32_OPS if region.device == CPU else CUDA_FP32_OPS)
+
+
+class Dtypes:
+    """Dtype queries for one module."""
+
+    def __init__(self, context):
+        self.context = context
+        self.names = context.names
+        self.regions = context.regions
+        self._cache: Dict[nodes.NodeNG, Optional[str]] = {}
+
+    def constant(self, expr: Optional[nodes.NodeNG]) -> Optional[str]:
+        """The kind a dtype expression names (``torch.float16`` -> "fp16"); None if unknown."""
+        if expr is None:
+            return None
+        if isinstance(expr, nodes.Const) and isinstance(expr.value, str):
+            return {"float16": FP16, "half": FP16, "bfloat16": BF16, "float32": FP32}.get(expr.value)
+        qualname = self.names.qualname(expr) or ""
+        if qualname in DTYPE_CONSTANTS:
+            return DTYPE_CONSTANTS[qualname]
+        if qualname.startswith("torch.") and last_part(qualname) in TENSOR_TYPES:
+            return TENSOR_TYPES[last_part(qualname)]
+        return None
+
+    def of(self, expr: nodes.NodeNG) -> Optional[str]:
+        """The dtype kind of ``expr``'s value, or None when it is not known."""
+        return self._of(expr, 0)
+
+    def _of(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
+        if depth > _MAX_DEPTH:
+            return None
+        if expr in self._cache:
+            return self._cache[expr]
+        self._cache[expr] = None  # guards against cycles through re-assignment
+        kind = self._compute(expr, depth + 1)
+        self._cache[expr] = kind
+        return kind
+
+    def _compute(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
+        if isinstance(expr, nodes.Name):
+            return self._name(expr, depth)
+        if isinstance(expr, nodes.Call):
+            return self._call(expr, depth)
+        if isinstance(expr, nodes.BinOp):
+            return self._binop(expr, depth)
+        if isinstance(expr, nodes.UnaryOp) and expr.op == "-":
+            return self._of(expr.operand, depth)
+        if isinstance(expr, nodes.Subscript):
+            return self._of(expr.value, depth)
+        if isinstance(expr, nodes.Attribute) and expr.attrname in ("T", "mT", "H", "data", "grad"):
+            return self._of(expr.expr, depth)
+        if isinstance(expr, nodes.IfExp):
+            kinds = {self._of(expr.body, depth), self._of(expr.orelse, depth)}
+            return kinds.pop() if len(kinds) == 1 else None
+        return None
+
+    def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
+        statement = name.statement()
+        values = []
+        for binding in self.names.bindings(name):
+            if binding.statement() is statement:
+                continue  # ``x = x.half()``: the right-hand ``x`` is the earlier value
+            values.append(binding)
+        if not values:
+            return None
+        kinds = set()
+        for binding in values:
+            value = assigned_value(binding)
+            if value is None:
+                return None
+            kinds.add(self._of(value, depth))
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def _binop(self, expr: nodes.BinOp, depth: int) -> Optional[str]:
+        if expr.op == "@":
+            return self._autocast_output(expr, "matmul", self._of(expr.left, depth))
+        if expr.op == "**":
+            return self._autocast_output(expr, "pow", self._of(expr.left, depth))
+        if expr.op not in _ARITHMETIC:
+            return None
+        return self._promote(expr.left, expr.right, depth)
+
+    def _promote(self, left: nodes.NodeNG, right: nodes.NodeNG, depth: int) -> Optional[str]:
+        """Type promotion of a binary op; Python numbers take the tensor's dtype."""
+        if _is_number(left):
+            return self._of(right, depth)
+        if _is_number(right):
+            return self._of(left, depth)
+        kinds = {self._of(left, depth), self._of(right, depth)}
+        if None in kinds:
+            return None
+        if len(kinds) == 1:
+            return kinds.pop()
+        if FP32 in kinds:
+            return FP32
+        return FP32 if kinds == {FP16, BF16} else None
+
+    def _call(self, call: nodes.Call, depth: int) -> Optional[str]:
+        explicit = self.constant(keyword_value(call, "dtype"))
+        if explicit is not None:
+            return explicit
+        func = call.func
+        callee = self.names.callee(call)
+        if callee is not None and callee.qualname.startswith("torch."):
+            if callee.instance:
+                if callee.qualname in LOW_PRECISION_MODULES:
+                    return self._autocast_output(call, "linear", None)
+                return None
+            return self._torch_function(call, callee, depth)
+        if isinstance(func, nodes.Attribute) and callee is None:
+            return self._method(call, func, depth)
+        return None
+
+    def _torch_function(self, call: nodes.Call, callee: Callee, depth: int) -> Optional[str]:
+        op = callee.name
+        first = call.args[0] if call.args else None
+        if op in ("zeros", "ones", "empty", "rand", "randn", "linspace", "logspace", "eye", "full"):
+            return FP32 if op != "full" else None
+        if op.endswith("_like") and first is not None:
+            return self._of(first, depth)
+        if op in ("tensor", "as_tensor", "from_numpy"):
+            return None
+        return self._op(call, op, self._of(first, depth) if first is not None else None)
+
+    def _method(self, call: nodes.Call, func: nodes.Attribute, depth: int) -> Optional[str]:
+        method = func.attrname
+        if method in CAST_METHODS and not call.args:
+            return CAST_METHODS[method]
+        if method == "to":
+            return self._to(call, func, depth)
+        if method == "type" and call.args:
+            return self.constant(call.args[0])
+        return self._op(call, method, self._of(func.expr, depth))
+
+    def _to(self, call: nodes.Call, func: nodes.Attribute, depth: int) -> Optional[str]:
+        for arg in call.args:
+            kind = self.constant(arg)
+            if kind is not None:
+                return kind
+        if all(_is_device(arg) for arg in call.args):
+            return self._of(func.expr, depth)
+        return None
+
+    def _op(self, call: nodes.Call, op: str, input_kind: Optional[str]) -> Optional[str]:
+        if op in LOW_PRECISION_OPS or op in CUDA_FP32_OPS or op in CPU_FP32_OPS:
+            return self._autocast_output(call, op, input_kind)
+        if op in PRESERVING:
+            return input_kind
+        return None
+
+    def _autocast_output(self, node: nodes.NodeNG, op: str, input_kind: Optional[str]) -> Optional[str]:
+        """Output kind of ``op`` at ``node``: autocast's choice inside a region, else the input's."""
+        region = self.regions.autocast_at(node)
+        if region is None or region.enabled is None:
+            return input_kind if op not in LOW_PRECISION_OPS or region is None else None
+        if op in LOW_PRECISION_OPS:
+            return region.dtype or LOW
+        if autocast_fp32_op(op, region):
+            return FP32
+        return input_kind
+
+
+def _is_number(expr: nodes.NodeNG) -> bool:
+    if isinstance(expr, nodes.UnaryOp):
+        expr = expr.operand
+    return isinstance(expr, nodes.Const) and isinstance(expr.value, (int, float)) and not isinstance(expr.value, bool)
+
+
+def _is_device(arg: nodes.NodeNG) -> bool:
+    """Arguments of ``.to(...)`` that move a tensor without changing its dtype."""
+    if isinstance(arg, nodes.Const) and isinstance(arg.value, str):
+        return True
+    if isinstance(arg, nodes.Attribute) and arg.attrname == "device":
+        return True
+    if isinstance(arg, nodes.Name) and "device" in arg.name.lower():
+        return True
+    if isinstance(arg, nodes.Call) and getattr(arg.func, "attrname", getattr(arg.func, "name", "")) == "device":
+        return True
+    return False

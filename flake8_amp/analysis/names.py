@@ -1,0 +1,306 @@
+"""Qualified names from the module's own imports and assignments.
+
+``F.binary_cross_entropy`` becomes ``torch.nn.functional.binary_cross_entropy`` by
+following ``import torch.nn.functional as F`` — never by importing or parsing torch
+(astroid inference into torch costs seconds per process and finds nothing when torch
+is not installed). Instances are resolved to the class that built them
+(``criterion = nn.BCELoss()``, ``self.criterion = nn.BCELoss()`` in ``__init__``), and
+``functools.partial(f, ...)`` bindings to ``f`` with the bound arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from astroid import nodes
+
+#: Module paths that re-export the same objects under a shorter public name.
+_CANONICAL_PREFIXES: Tuple[Tuple[str, str], ...] = (
+    ("torch.nn.modules.loss.", "torch.nn."),
+    ("torch.nn.modules.linear.", "torch.nn."),
+    ("torch.nn.modules.conv.", "torch.nn."),
+    ("torch.nn.modules.", "torch.nn."),
+    ("torch.amp.autocast_mode.", "torch.amp."),
+    ("torch.cuda.amp.autocast_mode.", "torch.cuda.amp."),
+    ("torch.cpu.amp.autocast_mode.", "torch.cpu.amp."),
+    ("torch.cuda.amp.grad_scaler.", "torch.cuda.amp."),
+    ("torch.amp.grad_scaler.", "torch.amp."),
+)
+
+_PARTIAL = frozenset({"functools.partial"})
+
+#: How many alias hops are followed before giving up (``a = b``, ``b = c``...).
+_MAX_DEPTH = 8
+
+
+def canonical(qualname: str) -> str:
+    """``torch.nn.modules.loss.BCELoss`` -> ``torch.nn.BCELoss`` (public spelling)."""
+    for prefix, public in _CANONICAL_PREFIXES:
+        if qualname.startswith(prefix):
+            return public + qualname[len(prefix):]
+    return qualname
+
+
+def last_part(qualname: Optional[str]) -> str:
+    """``torch.nn.functional.mse_loss`` -> ``mse_loss``; '' for None."""
+    return qualname.rsplit(".", 1)[-1] if qualname else ""
+
+
+@dataclass(frozen=True)
+class Callee:
+    """What a call calls: a qualified name, or an instance of a qualified class.
+
+    ``args``/``keywords`` include those bound by ``functools.partial``.
+    """
+
+    qualname: str
+    #: True when the callee is an object built by calling ``qualname`` (``nn.BCELoss()``).
+    instance: bool = False
+    args: Tuple[nodes.NodeNG, ...] = ()
+    keywords: Tuple[nodes.Keyword, ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        return last_part(self.qualname)
+
+    def keyword(self, name: str) -> Optional[nodes.NodeNG]:
+        """The value passed as ``name=`` (the last one wins, as in a partial override)."""
+        found = None
+        for kw in self.keywords:
+            if kw.arg == name:
+                found = kw.value
+        return found
+
+    def argument(self, position: int, name: str) -> Optional[nodes.NodeNG]:
+        """The argument at ``position`` or passed as ``name=``."""
+        value = self.keyword(name)
+        if value is None and position < len(self.args) and not isinstance(self.args[position], nodes.Starred):
+            value = self.args[position]
+        return value
+
+
+class Names:
+    """Name resolution for one module; see the module docstring."""
+
+    def __init__(self, context):
+        self.context = context
+        self._class_attributes: Dict[nodes.ClassDef, Dict[str, List[nodes.NodeNG]]] = {}
+
+    # -- assignments -------------------------------------------------------------------
+
+    def bindings(self, name: nodes.Name) -> List[nodes.NodeNG]:
+        """The statements that may bind ``name`` where it is used (astroid scope lookup).
+
+        Import nodes, function/class definitions, or ``AssignName`` nodes; empty for
+        builtins and unknown names.
+        """
+        try:
+            scope, statements = name.lookup(name.name)
+        except Exception:  # astroid lookup on unusual trees: treat as unknown
+            return []
+        if isinstance(scope, nodes.Module) and scope is not name.root():
+            return []  # builtins
+        return list(statements)
+
+    def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
+        """The expressions assigned to ``name`` where it is used, or None if any binding
+        is not a plain ``name = value`` (parameters, loops, unpacking, imports...)."""
+        values = []
+        for binding in self.bindings(name):
+            value = assigned_value(binding)
+            if value is None:
+                return None
+            values.append(value)
+        return values or None
+
+    # -- qualified names ---------------------------------------------------------------
+
+    def qualname(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[str]:
+        """Dotted name of the object ``expr`` names, via the module's imports and aliases.
+
+        ``F.cross_entropy`` -> ``torch.nn.functional.cross_entropy``; None when it is not
+        a chain of names rooted in an import (locals, parameters, call results...).
+        """
+        if _depth > _MAX_DEPTH:
+            return None
+        if isinstance(expr, nodes.Attribute):
+            base = self.qualname(expr.expr, _depth + 1)
+            return canonical(f"{base}.{expr.attrname}") if base else None
+        if not isinstance(expr, nodes.Name):
+            return None
+        bindings = self.bindings(expr)
+        if len(bindings) != 1:
+            results = {self._binding_qualname(expr.name, b, _depth) for b in bindings}
+            return results.pop() if len(results) == 1 else None
+        return self._binding_qualname(expr.name, bindings[0], _depth)
+
+    def _binding_qualname(self, name: str, binding: nodes.NodeNG, depth: int) -> Optional[str]:
+        if isinstance(binding, nodes.Import):
+            for module, alias in binding.names:
+                if alias == name:
+                    return canonical(module)
+                if alias is None and module.split(".")[0] == name:
+                    return name
+            return None
+        if isinstance(binding, nodes.ImportFrom):
+            prefix = "." * (binding.level or 0) + (binding.modname or "")
+            for original, alias in binding.names:
+                if (alias or original) == name:
+                    return canonical(f"{prefix}.{original}" if binding.modname else prefix + original)
+            return None
+        value = assigned_value(binding)
+        if isinstance(value, (nodes.Name, nodes.Attribute)):
+            return self.qualname(value, depth + 1)
+        return None
+
+    # -- instances ---------------------------------------------------------------------
+
+    def instance_class(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[str]:
+        """Qualified name of the class whose call built the object ``expr`` refers to.
+
+        ``nn.BCELoss()``, ``criterion`` after ``criterion = nn.BCELoss()``, and
+        ``self.criterion`` assigned ``nn.BCELoss()`` in any method of the class.
+        """
+        if _depth > _MAX_DEPTH:
+            return None
+        if isinstance(expr, nodes.Call):
+            callee = self.callee(expr, _depth + 1)
+            return callee.qualname if callee is not None and not callee.instance else None
+        if isinstance(expr, nodes.Name):
+            values = self.assigned_values(expr)
+        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            values = self.self_attribute_values(expr)
+        else:
+            return None
+        if not values:
+            return None
+        classes = {self.instance_class(v, _depth + 1) if isinstance(v, nodes.Call) else None for v in values}
+        return classes.pop() if len(classes) == 1 else None
+
+    def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
+        """Values assigned to ``self.<attr>`` anywhere in the enclosing class's methods."""
+        classdef = enclosing_class(attribute)
+        if classdef is None:
+            return []
+        found = self._class_attributes.get(classdef)
+        if found is None:
+            found = self._class_attributes[classdef] = self._collect_self_attributes(classdef)
+        return found.get(attribute.attrname, [])
+
+    @staticmethod
+    def _collect_self_attributes(classdef: nodes.ClassDef) -> Dict[str, List[nodes.NodeNG]]:
+        found: Dict[str, List[nodes.NodeNG]] = {}
+        for method in classdef.mymethods():
+            for target in method.nodes_of_class(nodes.AssignAttr):
+                if is_self(target.expr) and target.scope() is method:
+                    value = assigned_value(target)
+                    found.setdefault(target.attrname, []).append(value)
+        return found
+
+    # -- calls -------------------------------------------------------------------------
+
+    def callee(self, call: nodes.Call, _depth: int = 0) -> Optional[Callee]:
+        """What ``call`` calls, following ``partial`` bindings and instances; None if unknown."""
+        if _depth > _MAX_DEPTH:
+            return None
+        func = call.func
+        qualname = self.qualname(func)
+        if qualname is not None:
+            return Callee(qualname, False, tuple(call.args), tuple(call.keywords or ()))
+        partial = self._partial_binding(func, _depth)
+        if partial is not None:
+            return Callee(
+                partial.qualname,
+                partial.instance,
+                partial.args + tuple(call.args),
+                partial.keywords + tuple(call.keywords or ()),
+            )
+        cls = self.instance_class(func, _depth + 1)
+        if cls is not None:
+            return Callee(cls, True, tuple(call.args), tuple(call.keywords or ()))
+        return None
+
+    def _partial_binding(self, func: nodes.NodeNG, depth: int) -> Optional[Callee]:
+        if isinstance(func, nodes.Name):
+            values = self.assigned_values(func)
+        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
+            values = self.self_attribute_values(func)
+        else:
+            return None
+        if not values or len(values) != 1 or not isinstance(values[0], nodes.Call):
+            return None
+        call = values[0]
+        if self.qualname(call.func) not in _PARTIAL or not call.args:
+            return None
+        target = self.qualname(call.args[0])
+        if target is None:
+            return None
+        return Callee(target, False, tuple(call.args[1:]), tuple(call.keywords or ()))
+
+    def callee_qualname(self, call: nodes.Call) -> Optional[str]:
+        """Shortcut: the qualified name of what ``call`` calls (instances: their class)."""
+        callee = self.callee(call)
+        return callee.qualname if callee is not None else None
+
+
+# -- small tree helpers shared by the analyses -------------------------------------------
+
+
+def assigned_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """For ``x = value`` / ``x: T = value`` / ``x := value``, the value bound to the
+    target ``binding``; None for unpacking, loops, augmented assignment and others."""
+    parent = binding.parent
+    if isinstance(parent, nodes.Assign) and binding in parent.targets:
+        return parent.value
+    if isinstance(parent, nodes.AnnAssign) and parent.target is binding:
+        return parent.value
+    if isinstance(parent, nodes.NamedExpr) and parent.target is binding:
+        return parent.value
+    return None
+
+
+def is_self(expr: nodes.NodeNG) -> bool:
+    """``expr`` is the first parameter of the method it appears in (``self``)."""
+    if not isinstance(expr, nodes.Name):
+        return False
+    function = expr.scope()
+    if not isinstance(function, nodes.FunctionDef) or not isinstance(function.parent, nodes.ClassDef):
+        return False
+    params = function.args.posonlyargs + function.args.args
+    decorators = function.decorators.nodes if function.decorators else []
+    if any(isinstance(d, nodes.Name) and d.name in ("staticmethod", "classmethod") for d in decorators):
+        return False
+    return bool(params) and params[0].name == expr.name
+
+
+def enclosing_class(node: nodes.NodeNG) -> Optional[nodes.ClassDef]:
+    """The class whose method contains ``node``."""
+    function = node.scope()
+    if isinstance(function, nodes.FunctionDef) and isinstance(function.parent, nodes.ClassDef):
+        return function.parent
+    return None
+
+
+def simple_name(expr: nodes.NodeNG) -> str:
+    """The last identifier of a name or attribute chain (``a.b.c`` -> "c"); '' otherwise."""
+    if isinstance(expr, nodes.Name):
+        return expr.name
+    if isinstance(expr, nodes.Attribute):
+        return expr.attrname
+    return ""
+
+
+def keyword_value(call: nodes.Call, name: str) -> Optional[nodes.NodeNG]:
+    for kw in call.keywords or ():
+        if kw.arg == name:
+            return kw.value
+    return None
+
+
+def names_in(expr: Sequence[nodes.NodeNG]) -> List[str]:
+    """Every identifier (names and attribute names) in the given expressions."""
+    words: List[str] = []
+    for node in expr:
+        for sub in node.nodes_of_class((nodes.Name, nodes.Attribute)):
+            words.append(sub.name if isinstance(sub, nodes.Name) else sub.attrname)
+    return words

@@ -1,0 +1,278 @@
+"""Autocast regions: where in a module autocast is on, off, or depends on a flag.
+
+A region is opened by a ``with`` statement or a decorator whose context manager is
+autocast (``torch.autocast``, ``torch.amp.autocast``, the deprecated ``torch.cuda.amp``
+/ ``torch.cpu.amp`` spellings, ``--amp-autocast-functions``, ``functools.partial``
+aliases of these, project wrappers and methods whose name contains ``autocast`` such as
+``accelerator.autocast()``), or by a context variable bound to one
+(``ctx = nullcontext() if cpu else torch.amp.autocast(...)``; ``with ctx:``). A function
+defined in the module and called only from inside regions inherits the region.
+``enabled=False`` opens an island where autocast is off (tensors arriving in fp16 stay
+fp16). A variable merely named ``ctx`` is not autocast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set
+
+from astroid import nodes
+
+from flake8_amp.analysis.names import Callee, enclosing_class, is_self, keyword_value, last_part, simple_name
+
+AUTOCAST_FUNCTIONS = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast", "torch.cpu.amp.autocast"})
+#: Context managers that do nothing; the "off" branch of a conditional autocast.
+NULL_CONTEXTS = frozenset({"contextlib.nullcontext", "contextlib.suppress", "nullcontext", "suppress"})
+#: ``custom_fwd(cast_inputs=...)`` runs the decorated forward with autocast disabled.
+CUSTOM_FWD = frozenset({"torch.amp.custom_fwd", "torch.cuda.amp.custom_fwd"})
+
+CUDA, CPU = "cuda", "cpu"
+FP16, BF16 = "fp16", "bf16"
+_DTYPE_NAMES = {"torch.float16": FP16, "torch.half": FP16, "torch.bfloat16": BF16}
+_DEFAULT_DTYPE = {CUDA: FP16, CPU: BF16}
+
+
+@dataclass(frozen=True)
+class Region:
+    """An autocast region (or an ``enabled=False`` island inside one)."""
+
+    #: The ``with`` statement or decorated function that opens the region.
+    node: nodes.NodeNG
+    #: True (on), False (an ``enabled=False`` island) or None (decided at run time by a flag).
+    enabled: Optional[bool]
+    #: "cuda", "cpu", another device string, or None when unknown.
+    device: Optional[str]
+    #: "fp16", "bf16", or None when unknown.
+    dtype: Optional[str]
+
+    @property
+    def active(self) -> bool:
+        """Autocast is, or may be, on here (True or flag-dependent)."""
+        return self.enabled is not False
+
+
+class Regions:
+    """Autocast region queries for one module."""
+
+    def __init__(self, context):
+        self.context = context
+        self.names = context.names
+        self._opened: Dict[nodes.NodeNG, Optional[Region]] = {}
+        self._inherited: Dict[nodes.NodeNG, Optional[Region]] = {}
+        self._calls_by_name: Optional[Dict[str, List[nodes.Call]]] = None
+        extra = context.options.autocast_functions
+        self._extra_qualnames = frozenset(name for name in extra if "." in name)
+        self._extra_names = frozenset(last_part(name) for name in extra)
+
+    # -- public queries ----------------------------------------------------------------
+
+    def region_at(self, node: nodes.NodeNG) -> Optional[Region]:
+        """The innermost region enclosing ``node`` (including ``enabled=False`` islands)."""
+        return self._region_at(node, set())
+
+    def autocast_at(self, node: nodes.NodeNG) -> Optional[Region]:
+        """The region if autocast is (or may be) on at ``node``; None if off or outside."""
+        region = self.region_at(node)
+        return region if region is not None and region.active else None
+
+    def opened_by(self, node: nodes.NodeNG) -> Optional[Region]:
+        """The region a ``with`` statement or a decorated function opens, if any."""
+        if node not in self._opened:
+            self._opened[node] = self._compute_opened(node)
+        return self._opened[node]
+
+    def spec(self, expr: nodes.NodeNG) -> Optional[Region]:
+        """The region the context-manager expression ``expr`` would open, if autocast."""
+        return self._spec(expr, expr, 0)
+
+    # -- enclosure ---------------------------------------------------------------------
+
+    def _region_at(self, node: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> Optional[Region]:
+        child, parent = node, node.parent
+        while parent is not None:
+            if isinstance(parent, nodes.With) and not _is_with_item(parent, child):
+                region = self.opened_by(parent)
+                if region is not None:
+                    return region
+            elif isinstance(parent, (nodes.FunctionDef, nodes.Lambda)) and child is not parent.args:
+                if isinstance(parent, nodes.FunctionDef) and not _in_decorators(parent, child):
+                    region = self.opened_by(parent)
+                    if region is not None:
+                        return region
+                return self._inherited_region(parent, visiting)
+            elif isinstance(parent, nodes.ClassDef):
+                return None
+            child, parent = parent, parent.parent
+        return None
+
+    def _inherited_region(self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> Optional[Region]:
+        """The region of every same-module call site of ``function``, if they all agree."""
+        if not isinstance(function, nodes.FunctionDef):
+            return None
+        if function in self._inherited:
+            return self._inherited[function]
+        if function in visiting:
+            return None
+        visiting.add(function)
+        regions = [self._region_at(call, visiting) for call in self._call_sites(function)]
+        inherited = None
+        if regions and all(r is not None and r.active for r in regions):
+            inherited = regions[0]
+        self._inherited[function] = inherited
+        return inherited
+
+    def _call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
+        if self._calls_by_name is None:
+            self._calls_by_name = {}
+            for call in self.context.module.nodes_of_class(nodes.Call):
+                func = call.func
+                name = func.name if isinstance(func, nodes.Name) else getattr(func, "attrname", None)
+                if name:
+                    self._calls_by_name.setdefault(name, []).append(call)
+        owner = function.parent
+        sites = []
+        for call in self._calls_by_name.get(function.name, ()):
+            func = call.func
+            if isinstance(owner, nodes.ClassDef):
+                if isinstance(func, nodes.Attribute) and is_self(func.expr) and enclosing_class(call) is owner:
+                    sites.append(call)
+            elif isinstance(func, nodes.Name) and function in self.names.bindings(func):
+                sites.append(call)
+        return sites
+
+    # -- what opens a region -----------------------------------------------------------
+
+    def _compute_opened(self, node: nodes.NodeNG) -> Optional[Region]:
+        if isinstance(node, nodes.With):
+            found = None
+            for expr, _ in node.items:
+                region = self._spec(expr, node, 0)
+                if region is not None:
+                    found = region
+            return found
+        if isinstance(node, nodes.FunctionDef) and node.decorators is not None:
+            found = None
+            for decorator in node.decorators.nodes:
+                region = self._spec(decorator, node, 0) or self._custom_fwd(decorator, node)
+                if region is not None:
+                    found = region
+            return found
+        return None
+
+    def _custom_fwd(self, decorator: nodes.NodeNG, owner: nodes.NodeNG) -> Optional[Region]:
+        if isinstance(decorator, nodes.Call) and self.names.qualname(decorator.func) in CUSTOM_FWD:
+            if any(kw.arg == "cast_inputs" for kw in decorator.keywords or ()):
+                return Region(owner, False, None, None)
+        return None
+
+    def _spec(self, expr: nodes.NodeNG, owner: nodes.NodeNG, depth: int) -> Optional[Region]:
+        if depth > 4:
+            return None
+        if isinstance(expr, nodes.IfExp):
+            return self._alternatives([expr.body, expr.orelse], owner, depth)
+        if isinstance(expr, nodes.Call):
+            return self._call_spec(expr, owner)
+        if isinstance(expr, (nodes.Name, nodes.Attribute)):
+            if isinstance(expr, nodes.Name):
+                values = self.names.assigned_values(expr)
+            elif is_self(expr.expr):
+                values = self.names.self_attribute_values(expr)
+            else:
+                values = None
+            if values:
+                region = self._alternatives(values, owner, depth)
+                if region is not None:
+                    return region
+            if "autocast" in simple_name(expr).lower():
+                # A decorator such as ``@torch.autocast`` is not a region without a call.
+                return Region(owner, None, None, None) if not _is_decorator(expr) else None
+        return None
+
+    def _alternatives(self, values: List[nodes.NodeNG], owner: nodes.NodeNG, depth: int) -> Optional[Region]:
+        """A variable bound to autocast on one path and to a null context on another."""
+        regions = []
+        for value in values:
+            region = self._spec(value, owner, depth + 1) if value is not None else None
+            if region is None and not self._is_null_context(value):
+                return None
+            regions.append(region)
+        found = [r for r in regions if r is not None]
+        if not found:
+            return None
+        if len(found) == len(regions) and len({(r.enabled, r.device, r.dtype) for r in found}) == 1:
+            return Region(owner, found[0].enabled, found[0].device, found[0].dtype)
+        devices = {r.device for r in found}
+        dtypes = {r.dtype for r in found}
+        return Region(
+            owner,
+            False if all(r.enabled is False for r in found) else None,
+            devices.pop() if len(devices) == 1 else None,
+            dtypes.pop() if len(dtypes) == 1 else None,
+        )
+
+    def _is_null_context(self, value: Optional[nodes.NodeNG]) -> bool:
+        target = value.func if isinstance(value, nodes.Call) else value
+        if not isinstance(target, (nodes.Name, nodes.Attribute)):
+            return False
+        qualname = self.names.qualname(target) or simple_name(target)
+        return qualname in NULL_CONTEXTS
+
+    def _call_spec(self, call: nodes.Call, owner: nodes.NodeNG) -> Optional[Region]:
+        callee = self.names.callee(call)
+        if callee is not None and not callee.instance:
+            if callee.qualname in AUTOCAST_FUNCTIONS:
+                return _torch_autocast_region(callee, owner, self.names)
+            if callee.qualname in self._extra_qualnames:
+                return Region(owner, _literal_enabled(callee.keyword("enabled"), None), None, None)
+        name = simple_name(call.func)
+        if name in self._extra_names or "autocast" in name.lower():
+            return Region(owner, _literal_enabled(keyword_value(call, "enabled"), None), None, None)
+        return None
+
+
+def _torch_autocast_region(callee: Callee, owner: nodes.NodeNG, names) -> Region:
+    """Device, dtype and enabled of a ``torch.autocast``-family call."""
+    if callee.qualname.startswith("torch.cuda."):
+        device: Optional[str] = CUDA
+        enabled_node, dtype_node = callee.argument(0, "enabled"), callee.argument(1, "dtype")
+    elif callee.qualname.startswith("torch.cpu."):
+        device = CPU
+        enabled_node, dtype_node = callee.argument(0, "enabled"), callee.argument(1, "dtype")
+    else:
+        device_node = callee.argument(0, "device_type")
+        device = _string_constant(device_node, names)
+        enabled_node, dtype_node = callee.argument(2, "enabled"), callee.argument(1, "dtype")
+    if dtype_node is None:
+        dtype = _DEFAULT_DTYPE.get(device or "")
+    else:
+        dtype = _DTYPE_NAMES.get(names.qualname(dtype_node) or "")
+    return Region(owner, _literal_enabled(enabled_node, True), device, dtype)
+
+
+def _literal_enabled(node: Optional[nodes.NodeNG], default: Optional[bool]) -> Optional[bool]:
+    if node is None:
+        return default
+    if isinstance(node, nodes.Const) and isinstance(node.value, bool):
+        return node.value
+    return None
+
+
+def _string_constant(node: Optional[nodes.NodeNG], names) -> Optional[str]:
+    """A device string such as "cuda" or "cuda:0" reduced to its type; None if not literal."""
+    if isinstance(node, nodes.Name):
+        values = names.assigned_values(node)
+        node = values[0] if values and len(values) == 1 else None
+    if isinstance(node, nodes.Const) and isinstance(node.value, str):
+        return node.value.split(":")[0]
+    return None
+
+
+def _is_with_item(with_node: nodes.With, child: nodes.NodeNG) -> bool:
+    return any(child is expr or child is target for expr, target in with_node.items)
+
+
+def _in_decorators(function: nodes.FunctionDef, child: nodes.NodeNG) -> bool:
+    return function.decorators is not None and child is function.decorators
+
+
+def _is_decorator(expr: nodes.NodeNG) -> bool:
+    return isinstance(expr.parent, nodes.Decorators)

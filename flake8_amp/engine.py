@@ -1,0 +1,171 @@
+"""The one walk over a module: every enabled rule sees every node through its hooks.
+
+A rule is a :class:`Check` subclass with ``visit_<nodeclass>`` methods (``visit_call``,
+``visit_with``, ``visit_assign``... named after astroid's node classes, lower case)
+and an optional ``finish``. The walk dispatches each node to the hooks that want it, in
+source order; rules never walk the tree themselves. Shared analyses hang off the
+per-module :class:`Context` and are built lazily, the first time a rule asks.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Sequence, Tuple, Type
+
+from astroid import nodes
+from astroid.builder import AstroidBuilder
+from astroid.manager import AstroidManager
+from astroid.rebuilder import TreeRebuilder
+
+from flake8_amp import catalog
+
+
+@dataclass(frozen=True)
+class Options:
+    """User configuration (flake8 options ``--amp-*``), already validated."""
+
+    #: Extra qualified names (or bare function names) of callables that open autocast regions.
+    autocast_functions: FrozenSet[str] = frozenset()
+    #: Extra qualified names (or bare names) of loss callables.
+    loss_functions: FrozenSet[str] = frozenset()
+    #: Extra whole words marking inference/export code (added to the built-in ones).
+    inference_words: FrozenSet[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Finding:
+    line: int
+    col: int
+    code: str
+    message: str
+
+
+class Context:
+    """One module under analysis, with lazily built, cached shared analyses."""
+
+    def __init__(self, module: nodes.Module, filename: str = "", options: Options = Options()):
+        self.module = module
+        self.filename = filename
+        self.options = options
+
+    @functools.cached_property
+    def names(self):
+        """:class:`flake8_amp.analysis.names.Names` — qualified names and call targets."""
+        from flake8_amp.analysis.names import Names
+
+        return Names(self)
+
+    @functools.cached_property
+    def regions(self):
+        """:class:`flake8_amp.analysis.regions.Regions` — autocast regions."""
+        from flake8_amp.analysis.regions import Regions
+
+        return Regions(self)
+
+    @functools.cached_property
+    def grad(self):
+        """:class:`flake8_amp.analysis.context.GradContext` — no_grad / inference code."""
+        from flake8_amp.analysis.context import GradContext
+
+        return GradContext(self)
+
+    @functools.cached_property
+    def dtypes(self):
+        """:class:`flake8_amp.analysis.dtypes.Dtypes` — dtype of expressions."""
+        from flake8_amp.analysis.dtypes import Dtypes
+
+        return Dtypes(self)
+
+
+class Check:
+    """Base class of a rule: set ``code`` and ``triggers``, write hooks.
+
+    ``triggers`` are substrings of which at least one must occur in a file for the rule
+    to be worth running (override :meth:`applies` for more); files no rule applies to
+    are skipped before astroid is built.
+    """
+
+    code: str = ""
+    triggers: Tuple[str, ...] = ()
+
+    @classmethod
+    def applies(cls, source: str, options: Options) -> bool:
+        """Cheap pre-check on the raw source: can this rule find anything in it?"""
+        return any(word in source for word in cls.triggers)
+
+    def __init__(self, context: Context, findings: List[Finding]):
+        self.context = context
+        self._findings = findings
+
+    def report(self, node: nodes.NodeNG, **fields: object) -> None:
+        """Record a finding at ``node`` with the catalog message filled from ``fields``."""
+        message = catalog.rule(self.code).format(**fields)
+        self._findings.append(Finding(node.lineno or 1, node.col_offset or 0, self.code, message))
+
+    def finish(self) -> None:
+        """Called once after the walk; override for module-level conclusions."""
+
+
+Hook = Callable[[nodes.NodeNG], None]
+
+
+def _hooks_by_node_class(checks: Iterable[Check]) -> Dict[str, List[Hook]]:
+    hooks: Dict[str, List[Hook]] = {}
+    for check in checks:
+        for attr in dir(type(check)):
+            if attr.startswith("visit_"):
+                hooks.setdefault(attr[len("visit_"):], []).append(getattr(check, attr))
+    return hooks
+
+
+def walk(module: nodes.Module) -> Iterator[nodes.NodeNG]:
+    """Every node in source (pre-)order, iteratively so deep nesting cannot overflow."""
+    stack: List[nodes.NodeNG] = [module]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(list(node.get_children())))
+
+
+def run_checks(context: Context, check_classes: Sequence[Type[Check]]) -> List[Finding]:
+    """Run ``check_classes`` over ``context.module`` in one walk; findings sorted by position."""
+    findings: List[Finding] = []
+    checks = [cls(context, findings) for cls in check_classes]
+    hooks = _hooks_by_node_class(checks)
+    node_kind: Dict[type, str] = {}
+    for node in walk(context.module):
+        kind = node_kind.get(type(node))
+        if kind is None:
+            kind = node_kind[type(node)] = type(node).__name__.lower()
+        for hook in hooks.get(kind, ()):
+            hook(node)
+    for check in checks:
+        check.finish()
+    unique = {(f.line, f.col, f.code): f for f in findings}
+    return sorted(unique.values(), key=lambda f: (f.line, f.col, f.code))
+
+
+def build_module(tree: ast.Module, source: str, filename: str = "") -> nodes.Module:
+    """An astroid module from an already parsed ``ast`` tree, without any inference.
+
+    ``astroid.parse`` would run astroid's post-build steps, which infer the target of
+    every attribute assignment (``torch.backends.cudnn.benchmark = True`` makes astroid
+    import and parse torch: seconds per process) and apply brain transforms. Building
+    with the tree rebuilder alone keeps the linter torch-free and fast; ``from x
+    import y`` names are then added to scope locals here, as astroid would (star
+    imports are left out: resolving them means importing the module).
+    """
+    manager = AstroidManager()
+    rebuilder = TreeRebuilder(manager, source)
+    module = rebuilder.visit_module(tree, "", filename or "<unknown>", False)
+    builder = AstroidBuilder(manager, apply_transforms=False)
+    for import_from, global_names in rebuilder._import_from_nodes:
+        if all(name != "*" for name, _ in import_from.names):
+            builder.add_from_names_to_locals(import_from, global_names)
+    return module
+
+
+def mentions_autocast(source: str, options: Options) -> bool:
+    """The source may open an autocast region (for :meth:`Check.applies`)."""
+    return "autocast" in source or any(name.rsplit(".", 1)[-1] in source for name in options.autocast_functions)

@@ -1,0 +1,114 @@
+"""AMP002 loss-outside-autocast: a loss computed after the autocast block on its outputs."""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from astroid import nodes
+
+from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING
+from flake8_amp.analysis.names import assigned_value, last_part, simple_name
+from flake8_amp.engine import Check, Options, mentions_autocast
+
+#: Functional losses whose names do not end in ``_loss``.
+LOSS_FUNCTIONS = frozenset(
+    {"cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "nll_loss"}
+)
+#: Tensor methods that move or convert data; their results are not forward outputs.
+DATA_METHODS = frozenset({"to", "cuda", "cpu", "type", "numpy", "item", "tolist", "new_tensor"}) | set(CAST_METHODS)
+#: How far an argument is followed back through ``x = y.view(...)``-style re-assignments.
+_MAX_HOPS = 6
+
+
+class LossOutsideAutocast(Check):
+    """Outside the region, autocast's fp32 handling of the loss is lost."""
+
+    code = "AMP002"
+    triggers = ("loss", "Loss", "cross_entropy", "kl_div")
+
+    @classmethod
+    def applies(cls, source: str, options: Options) -> bool:
+        loss_words = cls.triggers + tuple(last_part(name) for name in options.loss_functions)
+        return mentions_autocast(source, options) and any(word in source for word in loss_words)
+
+    def visit_call(self, node: nodes.Call) -> None:
+        if not self._is_loss(node) or self.context.regions.region_at(node) is not None:
+            return
+        for arg in list(node.args) + [kw.value for kw in node.keywords or ()]:
+            produced = self._autocast_output_name(arg)
+            if produced is not None:
+                self.report(node, loss=node.func.as_string(), arg=produced)
+                return
+
+    def _is_loss(self, node: nodes.Call) -> bool:
+        options = self.context.options.loss_functions
+        if simple_name(node.func) in {last_part(name) for name in options}:
+            return True
+        callee = self.context.names.callee(node)
+        if callee is None:
+            return False
+        if callee.qualname in options:
+            return True
+        if callee.instance:
+            return callee.qualname.startswith("torch.nn.") and callee.name.endswith("Loss")
+        if callee.qualname.startswith(("torch.nn.functional.", "torch.")) and callee.qualname.count(".") <= 3:
+            return callee.name.endswith("_loss") or callee.name in LOSS_FUNCTIONS
+        return False
+
+    def _autocast_output_name(self, arg: nodes.NodeNG) -> Optional[str]:
+        """The name of ``arg``'s variable if it holds a forward output made inside an
+        autocast region that does not enclose the loss, with no upcast since."""
+        dtypes = self.context.dtypes
+        for name in _roots(arg):
+            if dtypes.of(arg) in (FP32, INT):
+                return None
+            for binding in self.context.names.bindings(name):
+                value = _bound_value(binding)
+                if value is None or dtypes.of(value) in (FP32, INT) or not self._forward_output(value):
+                    continue
+                if self.context.regions.autocast_at(binding) is not None:
+                    return name.name
+        return None
+
+    def _forward_output(self, value: nodes.NodeNG) -> bool:
+        """``model(x)``, ``self.net(x)[0]``, ``out.logits``: a call that is not a data move."""
+        core = _strip(value)
+        if not isinstance(core, nodes.Call):
+            return False
+        callee = self.context.names.callee(core)
+        if callee is not None:
+            # Known library calls (torch functions, loss modules...) are not forward passes,
+            # unless the dtype flow knows they produce low precision (matmul under autocast).
+            return self.context.dtypes.of(core) not in (None, FP32, INT)
+        return simple_name(core.func) not in DATA_METHODS
+
+
+def _strip(expr: nodes.NodeNG) -> nodes.NodeNG:
+    """Remove indexing, attribute access and dtype-preserving method calls."""
+    while True:
+        if isinstance(expr, nodes.Subscript):
+            expr = expr.value
+        elif isinstance(expr, nodes.Attribute):
+            expr = expr.expr
+        elif isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Attribute) and expr.func.attrname in PRESERVING:
+            expr = expr.func.expr
+        else:
+            return expr
+
+
+def _roots(arg: nodes.NodeNG) -> Iterator[nodes.Name]:
+    core = _strip(arg)
+    if isinstance(core, nodes.Name):
+        yield core
+
+
+def _bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """The value assigned to ``binding``, also through tuple unpacking (``a, b = f()``)."""
+    value = assigned_value(binding)
+    if value is not None:
+        return value
+    parent = binding.parent
+    while isinstance(parent, (nodes.Tuple, nodes.List, nodes.Starred)):
+        parent = parent.parent
+    if isinstance(parent, nodes.Assign):
+        return parent.value
+    return None

@@ -1,0 +1,228 @@
+# AMP003 bce-under-autocast: binary_cross_entropy / nn.BCELoss inside an autocast region.
+import contextlib
+import functools
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import autocast, nn as tnn
+from torch.nn import BCELoss
+from torch.nn.functional import binary_cross_entropy as bce
+
+scaler = torch.amp.GradScaler("cuda")
+device_type = "cuda"
+ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(device_type=device_type, dtype=torch.bfloat16)
+
+
+# ---- positives --------------------------------------------------------------------
+
+
+def functional_in_autocast(model, x, y):
+    with torch.autocast("cuda", dtype=torch.float16):
+        p = torch.sigmoid(model(x))
+        return F.binary_cross_entropy(p, y)  # AMP003
+
+
+def amp_autocast_spelling(model, x, y):
+    with torch.amp.autocast(device_type="cuda"):
+        return F.binary_cross_entropy(model(x).sigmoid(), y)  # AMP003
+
+
+def imported_autocast(model, x, y):
+    with autocast("cpu", dtype=torch.bfloat16):
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def aliased_function(model, x, y):
+    with torch.autocast("cuda"):
+        return bce(model(x), y)  # AMP003
+
+
+def torch_level_function(model, x, y):
+    with torch.autocast("cuda"):
+        return torch.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def local_module_instance(model, x, y):
+    criterion = nn.BCELoss()
+    with torch.autocast("cuda"):
+        return criterion(model(x), y)  # AMP003
+
+
+def imported_module_instance(model, x, y):
+    loss_fn = BCELoss(reduction="sum")
+    with torch.autocast("cuda"):
+        return loss_fn(model(x), y)  # AMP003
+
+
+def inline_module_instance(model, x, y):
+    with torch.autocast("cuda"):
+        return tnn.BCELoss()(model(x), y)  # AMP003
+
+
+class SelfCriterion:
+    def __init__(self, model):
+        self.model = model
+        self.criterion = nn.BCELoss()
+
+    def training_step(self, x, y):
+        with torch.autocast("cuda", dtype=torch.float16):
+            return self.criterion(self.model(x), y)  # AMP003
+
+
+def decorated_region(model, x, y):
+    @torch.autocast("cuda")
+    def step():
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+    return step()
+
+
+def nanogpt_context_variable(model, x, y):
+    with ctx:
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def timm_partial_alias(model, x, y):
+    amp_autocast = partial(torch.autocast, device_type="cuda", dtype=torch.float16)
+    with amp_autocast():
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def nested_in_other_blocks(model, loader):
+    for x, y in loader:
+        with torch.autocast("cuda"):
+            if x.numel():
+                loss = F.binary_cross_entropy(model(x), y)  # AMP003
+        scaler.scale(loss).backward()
+
+
+def flag_enabled_region(model, x, y, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def accelerator_region(accelerator, model, x, y):
+    with accelerator.autocast():
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def _bce_helper(p, y):
+    return F.binary_cross_entropy(p, y)  # AMP003
+
+
+def helper_called_only_in_region(model, x, y):
+    with torch.autocast("cuda"):
+        return _bce_helper(model(x).sigmoid(), y)
+
+
+def deprecated_cuda_region(model, x, y):
+    with torch.cuda.amp.autocast():
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+# ---- negatives --------------------------------------------------------------------
+
+
+def with_logits_in_autocast(model, x, y):
+    with torch.autocast("cuda"):
+        return F.binary_cross_entropy_with_logits(model(x), y)
+
+
+def bce_with_logits_module(model, x, y):
+    criterion = nn.BCEWithLogitsLoss()
+    with torch.autocast("cuda"):
+        return criterion(model(x), y)
+
+
+def bce_outside_autocast(model, x, y):
+    with torch.autocast("cuda"):
+        p = torch.sigmoid(model(x))
+    return F.binary_cross_entropy(p.float(), y)
+
+
+def bce_in_disabled_island(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+        with torch.autocast("cuda", enabled=False):
+            return F.binary_cross_entropy(torch.sigmoid(logits.float()), y)
+
+
+@torch.autocast("cuda", enabled=False)
+def bce_in_disabled_decorated(p, y):
+    return F.binary_cross_entropy(p.float(), y)
+
+
+def plain_fp32_training(model, x, y):
+    return F.binary_cross_entropy(torch.sigmoid(model(x)), y)
+
+
+def variable_named_ctx_is_not_autocast(model, x, y):
+    ctx = model.no_sync
+    with ctx():
+        return F.binary_cross_entropy(model(x), y)
+
+
+def no_grad_is_not_autocast(model, x, y):
+    with torch.no_grad():
+        return F.binary_cross_entropy(model(x), y)
+
+
+def nullcontext_only(model, x, y):
+    with contextlib.nullcontext():
+        return F.binary_cross_entropy(model(x), y)
+
+
+def suppress_alias_only(model, x, y):
+    amp_ctx = contextlib.suppress
+    with amp_ctx():
+        return F.binary_cross_entropy(model(x), y)
+
+
+def partial_of_something_else(model, x, y):
+    run = functools.partial(print, end="")
+    with open("log.txt") as handle:
+        run(handle)
+    return F.binary_cross_entropy(model(x), y)
+
+
+def user_function_named_like_bce(model, x, y):
+    def binary_cross_entropy(p, t):
+        return (p - t).abs().mean()
+
+    with torch.autocast("cuda"):
+        return binary_cross_entropy(model(x), y)
+
+
+def other_loss_in_autocast(model, x, y):
+    with torch.autocast("cuda"):
+        return F.mse_loss(model(x), y) + nn.CrossEntropyLoss()(model(x), y)
+
+
+def bce_defined_in_region_called_later(model, x, y):
+    with torch.autocast("cuda"):
+        p = model(x)
+    criterion = nn.BCELoss()
+    return criterion(p.float(), y)
+
+
+def _bce_helper_mixed(p, y):
+    return F.binary_cross_entropy(p, y)
+
+
+def helper_called_inside_and_outside(model, x, y):
+    with torch.autocast("cuda"):
+        a = _bce_helper_mixed(model(x), y)
+    return a + _bce_helper_mixed(model(x), y)
+
+
+def other_library_bce(keras_losses, x, y):
+    with torch.autocast("cuda"):
+        return keras_losses.binary_cross_entropy(x, y)
+
+
+def string_mentions_only(model, x, y):
+    """Don't call F.binary_cross_entropy under torch.autocast; use the logits form."""
+    return F.binary_cross_entropy_with_logits(model(x), y)
