@@ -1,0 +1,11 @@
+"""Runtime guard for PyTorch mixed-precision training.
+
+    with amp_runtime.guard() as g:
+        train()
+    print(g.report.summary())
+"""
+from .events import Event, GuardError, Report
+from .guard import AmpRuntimeWarning, Guard, guard
+from .thresholds import Thresholds
+
+__all__ = ["guard", "Guard", "Event", "Report", "GuardError", "Thresholds", "AmpRuntimeWarning"]

@@ -1,0 +1,392 @@
+"""``amp_runtime.guard()``: the context manager that runs the runtime checks.
+
+A guard owns a TorchFunctionMode (``mode.py``), a module tracker (``tracking.py``) and
+a list of monitors (``monitors``), each contributed by a module listed in
+``MONITOR_MODULES`` through a ``monitors(guard)`` function. It counts training steps,
+turns per-op tracing on and off, and routes every finding through ``Guard.emit``.
+
+Threads: the mode is per thread, so only ops of the thread that entered the guard are
+checked; the global module and optimizer hooks ignore calls from other threads. Inside
+``optimizer.step()`` the mode is off: the optimizer's many small ops are not forward
+computation and checking them would only cost time.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from flake8_amp.catalog import RULES, SEVERITIES, matches, severity_rank
+
+from .events import Event, GuardError, Report
+from .mode import GuardMode
+from .monitors import Monitor
+from .thresholds import Thresholds
+from .tracking import ModuleTracker, op_name, user_source
+
+POLICIES = ("warn", "raise", "record")
+TRACE_MODES = ("off", "auto", "always")
+
+#: Modules contributing monitors, each through ``monitors(guard) -> Iterable[Monitor]``,
+#: in attach order. Step detection comes last so that it sees the others installed.
+MONITOR_MODULES = (
+    "amp_runtime.rules",
+    "amp_runtime.monitors.forward",
+    "amp_runtime.monitors.scaler",
+    "amp_runtime.monitors.grads",
+    "amp_runtime.metrics",
+    "amp_runtime.tensorboard",
+    "amp_runtime.steps",
+)
+
+StepListener = Callable[[int, Dict[str, Any]], None]
+
+
+class AmpRuntimeWarning(UserWarning):
+    """Category of the warnings a guard issues under ``policy="warn"``."""
+
+
+_local = threading.local()
+
+
+def active_guards() -> List["Guard"]:
+    """The guards entered in this thread, outermost first."""
+    stack = getattr(_local, "guards", None)
+    if stack is None:
+        stack = _local.guards = []
+    return stack
+
+
+def current_guard() -> Optional["Guard"]:
+    """The innermost guard active in this thread, or None."""
+    stack = active_guards()
+    return stack[-1] if stack else None
+
+
+def _prefixes(value, argument: str) -> Optional[List[str]]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [p.strip() for p in value.split(",") if p.strip()]
+    elif not isinstance(value, Iterable):
+        raise TypeError(f"guard({argument}=...) takes code prefixes such as ['AMP1'], got {value!r}")
+    prefixes = list(value)
+    for prefix in prefixes:
+        if not isinstance(prefix, str) or not any(code.startswith(prefix) for code in RULES):
+            raise ValueError(f"guard({argument}=...): {prefix!r} is not a prefix of any AMP code")
+    return prefixes
+
+
+def _choice(value, allowed: Sequence[str], argument: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"guard({argument}=...) must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
+
+
+class Guard:
+    """A runtime guard; use through ``amp_runtime.guard(...)`` as a context manager."""
+
+    def __init__(
+        self,
+        policy: str = "warn",
+        select=None,
+        ignore=None,
+        trace: str = "auto",
+        thresholds: Optional[Thresholds] = None,
+        log_dir: Union[str, os.PathLike, None] = None,
+        model: Optional[torch.nn.Module] = None,
+        tensorboard=None,
+        raise_at: str = "P1",
+    ):
+        self.policy = _choice(policy, POLICIES, "policy")
+        self.trace = _choice(trace, TRACE_MODES, "trace")
+        self.raise_at = _choice(raise_at, SEVERITIES, "raise_at")
+        self.select = _prefixes(select, "select")
+        self.ignore = _prefixes(ignore, "ignore")
+        if thresholds is not None and not isinstance(thresholds, Thresholds):
+            raise TypeError(f"guard(thresholds=...) takes an amp_runtime.Thresholds, got {type(thresholds).__name__}")
+        self.thresholds = thresholds or Thresholds()
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"guard(log_dir=...) takes a folder path, got {type(log_dir).__name__}")
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"guard(model=...) takes a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.tensorboard = tensorboard
+
+        self.report = Report()
+        #: Steps completed so far, i.e. the 0-based index of the current step.
+        self.step_index = 0
+        #: Called as ``listener(step, record)`` at each step end, after the monitors.
+        self.step_listeners: List[StepListener] = []
+        #: True while a guard nested inside this one (same thread) does the checking.
+        self.suspended = False
+        #: Set by the first ``step()`` call: the loop marks its steps by hand.
+        self.manual_steps = False
+        self.monitors: List[Monitor] = []
+        self.tracker = ModuleTracker(model)
+        self._enabled_cache: Dict[str, bool] = {}
+        self._warned = set()
+        self._mode: Optional[GuardMode] = None
+        self._mode_left_for_optimizer = False
+        self._optimizer_hooks = []
+        self._events_file = None
+        self._tracing = self.trace == "always"
+        #: The code that turned tracing on under trace="auto" (None when it is off).
+        self.tracing_reason: Optional[str] = None
+        self._quiet_steps = 0
+        self._thread: Optional[int] = None
+        self._active = False
+
+    # -- public API -----------------------------------------------------------------
+
+    @property
+    def tracing(self) -> bool:
+        """Whether per-op checks are currently on."""
+        return self._tracing
+
+    def enabled(self, code: str) -> bool:
+        """Whether ``code`` passes this guard's select/ignore."""
+        known = self._enabled_cache.get(code)
+        if known is None:
+            known = self._enabled_cache[code] = matches(code, self.select, self.ignore)
+        return known
+
+    def request_tracing(self, reason: str) -> None:
+        """An anomaly was seen: under ``trace="auto"`` turn per-op checks on (or keep them
+        on) so the next occurrence is localized. ``reason`` names the anomaly (a code)."""
+        self._quiet_steps = 0
+        if self.trace == "auto" and not self._tracing:
+            self._tracing = True
+            self.tracing_reason = reason
+            if self._mode is not None:
+                self._mode.set_tracing(True)
+
+    def step(self) -> None:
+        """End the current training step by hand (for loops without optimizer or scaler)."""
+        self.manual_steps = True
+        self._end_step()
+
+    def emit(
+        self,
+        code: str,
+        *,
+        severity: Optional[str] = None,
+        op: Any = None,
+        module: Optional[str] = None,
+        source: Optional[str] = None,
+        details: Optional[Dict[str, Any]] = None,
+        **message_fields: Any,
+    ) -> Optional[Event]:
+        """Record a finding and apply the policy; None when the code is deselected.
+
+        ``op`` may be a torch function or a name. ``source`` and ``module`` default to the
+        user's line and the running module. Under ``policy="raise"`` an event at or above
+        ``raise_at`` raises GuardError here, i.e. inside the op that caused it.
+        """
+        if self.suspended or not self.enabled(code):
+            return None
+        op = op if op is None or isinstance(op, str) else op_name(op)
+        event = Event.create(
+            code,
+            severity=severity,
+            op=op,
+            module=module if module is not None else self.tracker.current(),
+            step=self.step_index,
+            source=source if source is not None else user_source(),
+            rank=_rank(),
+            details=details or {},
+            **message_fields,
+        )
+        for guard in self._recorders():
+            guard._record(event)
+        self._apply_policy(event)
+        return event
+
+    # -- context manager --------------------------------------------------------------
+
+    def __enter__(self) -> "Guard":
+        if self._active:
+            raise RuntimeError("this guard is already active; create a new one with amp_runtime.guard()")
+        self._active = True
+        self._thread = threading.get_ident()
+        outer = current_guard()
+        active_guards().append(self)
+        if outer is not None:
+            outer._set_suspended(True)
+        try:
+            self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                for monitor in self.monitors:
+                    monitor.flush()
+        finally:
+            self._uninstall()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _install(self) -> None:
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._events_file = open(os.path.join(self.log_dir, "events.jsonl"), "w", encoding="utf-8")
+        self.tracker.attach()
+        for monitor in self._build_monitors():
+            self.monitors.append(monitor)
+            monitor.attach(self)
+        self._mode = GuardMode(
+            (m.op_handlers() for m in self.monitors),
+            [m.trace_handler for m in self.monitors if m.trace_handler is not None],
+        )
+        self._mode.set_tracing(self._tracing)
+        self._mode.__enter__()
+        self._optimizer_hooks = [
+            register_optimizer_step_pre_hook(self._optimizer_step_starts),
+            register_optimizer_step_post_hook(self._optimizer_step_ends),
+        ]
+
+    def _uninstall(self) -> None:
+        """Remove everything ``_install`` put in place, whatever state it reached."""
+        errors = []
+        for handle in self._optimizer_hooks:
+            handle.remove()
+        self._optimizer_hooks = []
+        if self._mode is not None:
+            if self._mode_left_for_optimizer:
+                self._mode_left_for_optimizer = False
+            else:
+                self._mode.__exit__(None, None, None)
+            self._mode = None
+        for monitor in reversed(self.monitors):
+            try:
+                monitor.detach()
+            except Exception as err:  # keep removing the others' hooks
+                errors.append(err)
+        self.monitors = []
+        self.tracker.detach()
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None
+        stack = active_guards()
+        if self in stack:
+            stack.remove(self)
+        if stack:
+            stack[-1]._set_suspended(False)
+        self._active = False
+        if errors:
+            raise errors[0]
+
+    def _build_monitors(self) -> List[Monitor]:
+        monitors = []
+        for name in MONITOR_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError as err:
+                if err.name == name:  # that part of the runtime is not installed
+                    continue
+                raise
+            contribute = getattr(module, "monitors", None)
+            if contribute is None:  # a module still being written
+                continue
+            for monitor in contribute(self):
+                if not monitor.codes or any(self.enabled(code) for code in monitor.codes):
+                    monitors.append(monitor)
+        return monitors
+
+    def _set_suspended(self, suspended: bool) -> None:
+        self.suspended = suspended
+        if self._mode is not None:
+            self._mode.set_passthrough(suspended)
+
+    def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
+        if threading.get_ident() == self._thread and self._mode is not None:
+            self._mode_left_for_optimizer = self._mode.suspend()
+
+    def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
+        if self._mode_left_for_optimizer and threading.get_ident() == self._thread:
+            self._mode_left_for_optimizer = False
+            self._mode.resume()
+
+    def _end_step(self) -> None:
+        step = self.step_index
+        for monitor in self.monitors:
+            monitor.flush()
+        record: Dict[str, Any] = {"step": step}
+        for monitor in self.monitors:
+            monitor.on_step_end(step, record)
+        for listener in self.step_listeners:
+            listener(step, record)
+        self.step_index = step + 1
+        self._quiet_steps += 1
+        if self.trace == "auto" and self._tracing and self._quiet_steps >= self.thresholds.auto_quiet_steps:
+            self._tracing = False
+            self.tracing_reason = None
+            if self._mode is not None:
+                self._mode.set_tracing(False)
+
+    def _recorders(self) -> List["Guard"]:
+        """This guard and the guards it is nested in, which record its events too."""
+        stack = active_guards()
+        return stack[: stack.index(self) + 1] if self in stack else [self]
+
+    def _record(self, event: Event) -> None:
+        self.report.add(event)
+        if self._events_file is not None:
+            self._events_file.write(json.dumps(event.to_json()) + "\n")
+            self._events_file.flush()
+
+    def _apply_policy(self, event: Event) -> None:
+        if self.policy == "raise" and severity_rank(event.severity) <= severity_rank(self.raise_at):
+            raise GuardError(event)
+        if self.policy == "record":
+            return
+        key = (event.code, event.source)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        filename, _, line = (event.source or "").rpartition(":")
+        if filename and line.isdigit():
+            warnings.warn_explicit(str(event), AmpRuntimeWarning, filename, int(line))
+        else:
+            warnings.warn(str(event), AmpRuntimeWarning, stacklevel=3)
+
+
+def _rank() -> Optional[int]:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank()
+    return None
+
+
+def guard(
+    policy: str = "warn",
+    select=None,
+    ignore=None,
+    trace: str = "auto",
+    thresholds: Optional[Thresholds] = None,
+    log_dir: Union[str, os.PathLike, None] = None,
+    model: Optional[torch.nn.Module] = None,
+    tensorboard=None,
+    raise_at: str = "P1",
+) -> Guard:
+    """Run AMP checks over the ``with`` block; see DESIGN.md section 4.
+
+    ``policy``: "warn" (one warning per code and source line), "raise" (GuardError at the
+    first event at or above ``raise_at``) or "record". ``select``/``ignore``: code
+    prefixes. ``trace``: "off" (cheap checks only), "always" (per-op checks) or "auto"
+    (cheap until an anomaly, then per-op until ``thresholds.auto_quiet_steps`` quiet
+    steps). ``log_dir``: write ``events.jsonl`` (and the monitors' logs) there.
+    ``model``: names modules in reports.
+    """
+    return Guard(policy, select, ignore, trace, thresholds, log_dir, model, tensorboard, raise_at)

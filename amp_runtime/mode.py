@@ -1,0 +1,93 @@
+"""The guard's TorchFunctionMode: one dict look-up per op, handlers only where needed.
+
+Every monitor's ``op_handlers`` are merged into one table mapping a torch function to a
+small closure that runs the ``before`` handlers, the op and the ``after`` handlers.
+Functions absent from the table go straight through. When per-op tracing is on, a
+tracer (an ``after`` handler) is added to every entry and used for every other function.
+
+The mode stack is per thread: ops run by other threads are not seen.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+
+from .monitors import After, Before, OpHandler
+
+Entry = Callable[[Any, tuple, dict], Any]
+
+
+def _entry(befores: List[Before], afters: List[After]) -> Entry:
+    """One closure running the op between its handlers."""
+    befores, afters = tuple(befores), tuple(afters)
+
+    def run(func, args, kwargs):
+        for before in befores:
+            before(func, args, kwargs)
+        out = func(*args, **kwargs)
+        for after in afters:
+            after(func, args, kwargs, out)
+        return out
+
+    return run
+
+
+class GuardMode(TorchFunctionMode):
+    """Dispatches torch functions to the merged handler table."""
+
+    def __init__(self, handler_maps: Iterable[Dict[Any, OpHandler]], tracers: Iterable[After] = ()):
+        super().__init__()
+        merged: Dict[Any, tuple] = {}
+        for handlers in handler_maps:
+            for func, handler in handlers.items():
+                befores, afters = merged.setdefault(func, ([], []))
+                if handler.before is not None:
+                    befores.append(handler.before)
+                if handler.after is not None:
+                    afters.append(handler.after)
+        self._cheap = {func: _entry(b, a) for func, (b, a) in merged.items()}
+        tracers = list(tracers)
+        if tracers:
+            self._traced = {func: _entry(b, a + tracers) for func, (b, a) in merged.items()}
+            self._trace_default = _entry([], tracers)
+        else:
+            self._traced, self._trace_default = self._cheap, None
+        self._table: Dict[Any, Entry] = self._cheap
+        self._default: Optional[Entry] = None
+        self._tracing = False
+        self._passthrough = False
+
+    def set_tracing(self, on: bool) -> None:
+        self._tracing = on
+        self._refresh()
+
+    def set_passthrough(self, on: bool) -> None:
+        """Let every op through unchecked (while a nested guard does the checking)."""
+        self._passthrough = on
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if self._passthrough:
+            self._table, self._default = {}, None
+        elif self._tracing:
+            self._table, self._default = self._traced, self._trace_default
+        else:
+            self._table, self._default = self._cheap, None
+
+    def suspend(self) -> bool:
+        """Leave the mode stack if this mode is on top of it; True when it left."""
+        stack = _get_current_function_mode_stack()
+        if not stack or stack[-1] is not self:
+            return False
+        _pop_mode()
+        return True
+
+    def resume(self) -> None:
+        _push_mode(self)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        entry = self._table.get(func, self._default)
+        if entry is None:
+            return func(*args, **(kwargs or {}))
+        return entry(func, args, kwargs or {})

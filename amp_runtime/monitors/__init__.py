@@ -1,0 +1,59 @@
+"""The monitor protocol every runtime check implements.
+
+A guard builds its monitors when it is entered, skips those whose codes are all
+deselected, calls ``attach`` in order and ``detach`` in reverse order on exit (also
+when the guarded block raised). Per-op checks are declared by ``op_handlers``: the
+guard's TorchFunctionMode merges every monitor's handlers into one table keyed by
+torch function, so an op no check cares about costs one dict look-up.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+#: ``before(func, args, kwargs)`` runs before the op; it may call ``guard.emit``.
+Before = Callable[[Any, tuple, dict], None]
+#: ``after(func, args, kwargs, out)`` runs after the op with its result.
+After = Callable[[Any, tuple, dict, Any], None]
+
+
+class OpHandler(NamedTuple):
+    """What a monitor does around one torch function (either part may be None)."""
+
+    before: Optional[Before] = None
+    after: Optional[After] = None
+
+
+class Monitor:
+    """Base class: a group of related runtime checks sharing state and hooks."""
+
+    #: Codes this monitor can emit; the guard skips it when none of them is enabled.
+    codes: Tuple[str, ...] = ()
+    #: An ``after`` handler the mode runs after every op while per-op tracing is on.
+    trace_handler: Optional[After] = None
+
+    def __init__(self):
+        self.guard = None
+        self._handles = []
+
+    def attach(self, guard) -> None:
+        """Install hooks. Subclasses call ``super().attach(guard)`` and ``keep`` handles."""
+        self.guard = guard
+
+    def keep(self, handle) -> None:
+        """Remember a removable hook handle so that ``detach`` removes it."""
+        self._handles.append(handle)
+
+    def op_handlers(self) -> Dict[Any, OpHandler]:
+        """Torch function -> OpHandler, merged into the guard's mode table."""
+        return {}
+
+    def on_step_end(self, step: int, record: Dict[str, Any]) -> None:
+        """Called once per training step; add this monitor's per-step values to ``record``."""
+
+    def flush(self) -> None:
+        """Read any checks still pending on the device (called at step end and on exit)."""
+
+    def detach(self) -> None:
+        """Remove every hook this monitor installed."""
+        while self._handles:
+            self._handles.pop().remove()
