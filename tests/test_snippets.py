@@ -4,8 +4,8 @@ Every ``tests/snippets/ampNNN.py`` marks the lines where a finding is expected w
 trailing comment naming the code(s): ``x.half()  # AMP001`` (several: ``# AMP005 AMP006``).
 flake8 must report exactly the marked (line, code) pairs for the file's own code and for
 every code that is marked somewhere in the file. Each top-level function or class is
-one case: positive if it holds a marker, negative otherwise; every file needs at least
-15 of each.
+one case: positive if it holds a marker, negative otherwise; every ``ampNNN.py`` file
+needs at least 15 of each (extra scenario files such as ``amp010_bf16.py`` need not).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def cases(source: str, expected: set) -> tuple:
 def test_snippet(snippet: Path, flake8) -> None:
     source = snippet.read_text()
     expected = expected_findings(source)
-    own_code = snippet.stem.upper()
+    own_code = re.match(r"amp\d{3}", snippet.stem).group(0).upper()
     checked_codes = {own_code} | {code for _, code in expected}
 
     result = flake8(["--isolated", "--select=AMP", snippet])
@@ -66,6 +66,8 @@ def test_snippet(snippet: Path, flake8) -> None:
     unexpected = sorted(found - expected)
     assert not missing and not unexpected, f"missing={missing} unexpected={unexpected}\n{result.stdout}"
 
+    if snippet.stem != own_code.lower():
+        return
     positives, negatives = cases(source, expected)
     assert positives >= MIN_CASES, f"{snippet.name}: only {positives} positive cases"
     assert negatives >= MIN_CASES, f"{snippet.name}: only {negatives} negative cases"

@@ -177,6 +177,22 @@ class Names:
         classes = {self.instance_class(v, _depth + 1) if isinstance(v, nodes.Call) else None for v in values}
         return classes.pop() if len(classes) == 1 else None
 
+    def local_class(self, expr: nodes.NodeNG) -> Optional[nodes.ClassDef]:
+        """The class defined in this module whose call built ``expr``'s object, if any."""
+        if isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Name):
+            classes = [b for b in self.bindings(expr.func) if isinstance(b, nodes.ClassDef)]
+            return classes[0] if len(classes) == 1 else None
+        if not isinstance(expr, nodes.Name):
+            return None
+        statement = expr.statement()
+        found = set()
+        for binding in self.bindings(expr):
+            if binding.statement() is statement:
+                continue
+            value = assigned_value(binding)
+            found.add(self.local_class(value) if isinstance(value, nodes.Call) else None)
+        return found.pop() if len(found) == 1 else None
+
     def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
         """Values assigned to ``self.<attr>`` anywhere in the enclosing class's methods."""
         classdef = enclosing_class(attribute)

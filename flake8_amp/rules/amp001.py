@@ -58,11 +58,17 @@ class ManualCast(Check):
             _round_trip(node)
             or _in_cast_definition(node)
             or _self_cast(func)
+            or self._user_method(func)
             or self._behind_precision_flag(node)
             or self._checkpoint_copy(node, func)
             or grad.not_training_at(node)
             or not grad.training_at(node)
         )
+
+    def _user_method(self, func: nodes.Attribute) -> bool:
+        """The receiver is an object of a class defined here that has this method itself."""
+        cls = self.context.names.local_class(func.expr)
+        return cls is not None and func.attrname in cls.locals
 
     def _behind_precision_flag(self, node: nodes.NodeNG) -> bool:
         child, parent = node, node.parent

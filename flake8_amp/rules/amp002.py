@@ -1,11 +1,11 @@
 """AMP002 loss-outside-autocast: a loss computed after the autocast block on its outputs."""
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING
+from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
 from flake8_amp.analysis.names import assigned_value, last_part, simple_name
 from flake8_amp.engine import Check, Options, mentions_autocast
 
@@ -15,8 +15,6 @@ LOSS_FUNCTIONS = frozenset(
 )
 #: Tensor methods that move or convert data; their results are not forward outputs.
 DATA_METHODS = frozenset({"to", "cuda", "cpu", "type", "numpy", "item", "tolist", "new_tensor"}) | set(CAST_METHODS)
-#: How far an argument is followed back through ``x = y.view(...)``-style re-assignments.
-_MAX_HOPS = 6
 
 
 class LossOutsideAutocast(Check):
@@ -58,27 +56,28 @@ class LossOutsideAutocast(Check):
         """The name of ``arg``'s variable if it holds a forward output made inside an
         autocast region that does not enclose the loss, with no upcast since."""
         dtypes = self.context.dtypes
-        for name in _roots(arg):
-            if dtypes.of(arg) in (FP32, INT):
-                return None
-            for binding in self.context.names.bindings(name):
-                value = _bound_value(binding)
-                if value is None or dtypes.of(value) in (FP32, INT) or not self._forward_output(value):
-                    continue
-                if self.context.regions.autocast_at(binding) is not None:
-                    return name.name
+        root = _strip(arg)
+        if not isinstance(root, nodes.Name) or dtypes.of(arg) in (FP32, INT):
+            return None
+        for binding in self.context.names.bindings(root):
+            value = _bound_value(binding)
+            if value is None or dtypes.of(value) in (FP32, INT) or not self._forward_output(value):
+                continue
+            if self.context.regions.autocast_at(binding) is not None:
+                return root.name
         return None
 
     def _forward_output(self, value: nodes.NodeNG) -> bool:
-        """``model(x)``, ``self.net(x)[0]``, ``out.logits``: a call that is not a data move."""
+        """``model(x)``, ``self.net(x)[0]``, ``x @ w``: low precision or a call that is not a
+        data move."""
+        if is_low(self.context.dtypes.of(value)):
+            return True
         core = _strip(value)
         if not isinstance(core, nodes.Call):
             return False
         callee = self.context.names.callee(core)
         if callee is not None:
-            # Known library calls (torch functions, loss modules...) are not forward passes,
-            # unless the dtype flow knows they produce low precision (matmul under autocast).
-            return self.context.dtypes.of(core) not in (None, FP32, INT)
+            return False  # library calls (torch functions, loss modules...) are not forward passes
         return simple_name(core.func) not in DATA_METHODS
 
 
@@ -93,12 +92,6 @@ def _strip(expr: nodes.NodeNG) -> nodes.NodeNG:
             expr = expr.func.expr
         else:
             return expr
-
-
-def _roots(arg: nodes.NodeNG) -> Iterator[nodes.Name]:
-    core = _strip(arg)
-    if isinstance(core, nodes.Name):
-        yield core
 
 
 def _bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:

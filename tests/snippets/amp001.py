@@ -1,0 +1,253 @@
+# AMP001 manual-cast: .half()/.bfloat16()/.to(torch.float16) in training code.
+import copy
+
+import numpy as np
+import torch
+import torch as th
+from torch import float16
+
+scaler = torch.amp.GradScaler("cuda")
+
+
+# ---- positives --------------------------------------------------------------------
+
+
+def train_model_half(model, loader, optimizer):
+    model.half()  # AMP001
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+
+
+def train_inputs_half(model, loader, optimizer):
+    for x, y in loader:
+        x = x.half()  # AMP001
+        model(x, y).backward()
+        optimizer.step()
+
+
+def train_bfloat16(model, loader, optimizer):
+    model = model.cuda().bfloat16()  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def to_positional_dtype(model, loader):
+    model.to(torch.float16)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def to_keyword_dtype(model, loader):
+    model.to(dtype=torch.bfloat16)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def to_device_and_dtype(model, loader, device):
+    model.to(device, torch.half)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def to_device_keyword_and_dtype(model, loader, device):
+    model = model.to(device=device, dtype=torch.float16)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def type_half_tensor(model, loader):
+    for x, y in loader:
+        x = x.type(torch.HalfTensor)  # AMP001
+        model(x, y).backward()
+
+
+def type_cuda_half_tensor(model, loader):
+    for x, y in loader:
+        x = x.type(torch.cuda.HalfTensor)  # AMP001
+        model(x, y).backward()
+
+
+def imported_dtype_name(model, loader):
+    model.to(float16)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def aliased_torch(model, loader):
+    model.to(th.float16)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def chained_device_then_half(model, loader, device):
+    for x, y in loader:
+        inputs = x.to(device, non_blocking=True).half()  # AMP001
+        loss = model(inputs, y)
+        loss.backward()
+
+
+class Trainer:
+    def __init__(self, model, optimizer):
+        self.model = model.half()  # AMP001
+        self.optimizer = optimizer
+
+    def run_epoch(self, loader):
+        for x, y in loader:
+            self.model(x, y).backward()
+            self.optimizer.step()
+
+
+class LitModel:
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.net(x.half(), y)  # AMP001
+
+
+def fit(net, data, epochs):
+    net.half()  # AMP001
+    for _ in range(epochs):
+        for x, y in data:
+            net(x, y).backward()
+
+
+def main_loop(model, loader, optimizer):
+    model.cuda().half()  # AMP001
+    optimizer.zero_grad()
+    for x, y in loader:
+        scaler.scale(model(x, y)).backward()
+
+
+# ---- negatives --------------------------------------------------------------------
+
+
+def predict(model, x):
+    model.half()
+    return model(x.half())
+
+
+@torch.no_grad()
+def evaluate_epoch(model, loader):
+    model.half()
+    return [model(x) for x, _ in loader]
+
+
+def train_with_inference_block(model, loader):
+    for x, y in loader:
+        model(x, y).backward()
+    with torch.inference_mode():
+        model.half()
+
+
+def export_onnx(model, path):
+    model.half()
+    torch.onnx.export(model, torch.zeros(1, 3, dtype=torch.float16), path)
+
+
+def train_round_trip(model, loader):
+    for x, y in loader:
+        x = x.half().float()
+        model(x, y).backward()
+
+
+def train_tensor_creation(model, loader):
+    for x, y in loader:
+        noise = torch.randn(x.shape, dtype=torch.float16, device=x.device)
+        model(x + noise, y).backward()
+
+
+class HalfOverride(torch.nn.Module):
+    def half(self):
+        self.norm.float()
+        return super().half()
+
+    def train_step(self, x):
+        return self(x).backward()
+
+
+def save_checkpoint(model, optimizer, path):
+    torch.save({"model": copy.deepcopy(model).half(), "optimizer": optimizer.state_dict()}, path)
+
+
+def strip_optimizer(f="best.pt"):
+    x = torch.load(f)
+    x["model"].half()
+    torch.save(x, f)
+
+
+def train_pure_fp16_flag(model, loader, args):
+    if args.fp16:
+        model.half()
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def train_precision_mode(model, loader, precision):
+    if precision == "pure_fp16":
+        model = model.half()
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def train_conditional_inputs(model, loader, half):
+    for x, y in loader:
+        x = x.half() if half else x.float()
+        model(x, y).backward()
+
+
+def to_half_utility(tensor):
+    return tensor.half()
+
+
+def train_upcast_and_move(model, loader, device, dtype):
+    for x, y in loader:
+        x = x.to(device).to(torch.float32).to(dtype)
+        model(x, y).backward()
+
+
+def eval_script(model, loader):
+    model.eval()
+    model.half()
+    return [model(x) for x in loader]
+
+
+class Fraction:
+    def __init__(self, value):
+        self.value = value
+
+    def half(self):
+        return Fraction(self.value / 2)
+
+
+def train_with_user_object(model, loader):
+    amount = Fraction(3)
+    amount = amount.half()
+    for x, y in loader:
+        model(x, y).backward()
+
+
+def train_numpy_halves(model, loader):
+    for x, y in loader:
+        weights = np.ones(3).astype(np.float16)
+        model(x, y, weights).backward()
+
+
+class Generator:
+    def generate(self, prompt):
+        self.model.half()
+        return self.model(prompt)
+
+
+def train_with_autocast(model, loader, optimizer):
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def documented_only(model):
+    """Never call model.half() in training; use torch.autocast instead."""
+    return model

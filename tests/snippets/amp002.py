@@ -1,0 +1,256 @@
+# AMP002 loss-outside-autocast: a loss computed after the autocast block on its outputs.
+import contextlib
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn import functional as TF
+
+scaler = torch.amp.GradScaler("cuda")
+criterion = nn.CrossEntropyLoss()
+ctx = nullcontext() if torch.cuda.is_available() else torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
+
+
+# ---- positives --------------------------------------------------------------------
+
+
+def classic_criterion_after_block(model, images, target):
+    with torch.autocast("cuda", dtype=torch.float16):
+        output = model(images)
+    loss = criterion(output, target)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def functional_after_block(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    return F.cross_entropy(logits, y)  # AMP002
+
+
+def mse_after_block(model, x, y):
+    with torch.amp.autocast("cuda"):
+        pred = model(x)
+    return F.mse_loss(pred, y)  # AMP002
+
+
+class Trainer:
+    def __init__(self, model):
+        self.model = model
+        self.loss_fn = nn.SmoothL1Loss()
+
+    def train_step(self, x, y):
+        with torch.autocast("cuda"):
+            pred = self.model(x)
+        return self.loss_fn(pred, y)  # AMP002
+
+
+def tuple_unpacked_outputs(model, x, y):
+    with torch.autocast("cuda"):
+        logits, aux = model(x)
+    return F.cross_entropy(logits, y) + 0.4 * F.cross_entropy(aux, y)  # AMP002
+
+
+def indexed_output(model, x, y):
+    with torch.autocast("cuda"):
+        out = model(x)
+    return criterion(out[0], y)  # AMP002
+
+
+def attribute_and_view(model, batch, labels):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        outputs = model(**batch)
+    return F.cross_entropy(outputs.logits.view(-1, outputs.logits.size(-1)), labels.view(-1))  # AMP002
+
+
+def nanogpt_ctx_then_loss(model, x, y):
+    with ctx:
+        logits = model(x)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # AMP002
+
+
+def timm_partial_then_loss(model, x, y):
+    amp_autocast = partial(torch.autocast, device_type="cuda", dtype=torch.float16)
+    with amp_autocast():
+        output = model(x)
+    loss = criterion(output, y)  # AMP002
+    return loss
+
+
+def functional_module_alias(model, x, y):
+    with torch.autocast("cuda"):
+        log_probs = model(x)
+    return TF.nll_loss(log_probs, y)  # AMP002
+
+
+def kl_divergence(student, teacher, x):
+    with torch.autocast("cuda"):
+        s = student(x)
+        t = teacher(x)
+    return F.kl_div(s, t, reduction="batchmean")  # AMP002
+
+
+def logits_loss_module(model, x, y):
+    loss_fn = nn.BCEWithLogitsLoss()
+    with torch.autocast("cuda"):
+        logits = model(x)
+    return loss_fn(logits, y)  # AMP002
+
+
+def matmul_output(x, w, y):
+    with torch.autocast("cuda"):
+        logits = x @ w
+    return F.cross_entropy(logits, y)  # AMP002
+
+
+def full_torch_path(model, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pred = model(x)
+    return torch.nn.functional.smooth_l1_loss(pred, y)  # AMP002
+
+
+def keyword_arguments(model, x, y):
+    with torch.autocast("cuda"):
+        scores = model(x)
+    return criterion(input=scores, target=y)  # AMP002
+
+
+def flag_enabled_region(model, x, y, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        out = model(x)
+    return F.l1_loss(out, y)  # AMP002
+
+
+def accelerator_region(accelerator, model, x, y):
+    with accelerator.autocast():
+        out = model(x)
+    return F.mse_loss(out, y)  # AMP002
+
+
+# ---- negatives --------------------------------------------------------------------
+
+
+def loss_inside_block(model, images, target):
+    with torch.autocast("cuda"):
+        output = model(images)
+        loss = criterion(output, target)
+    scaler.scale(loss).backward()
+
+
+def upcast_in_argument(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    return F.cross_entropy(logits.float(), y)
+
+
+def upcast_reassigned(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    logits = logits.float()
+    return F.cross_entropy(logits, y)
+
+
+def upcast_with_to(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    return F.cross_entropy(logits.to(torch.float32), y)
+
+
+def hf_loss_from_forward(model, batch, accum_steps):
+    with torch.autocast("cuda"):
+        outputs = model(**batch)
+        loss = outputs.loss
+    loss = loss / accum_steps
+    scaler.scale(loss).backward()
+    return loss.item()
+
+
+def loss_dict_from_forward(model, data):
+    with torch.autocast("cuda"):
+        loss_dict = model(data)
+    losses = sum(loss for loss in loss_dict.values())
+    scaler.scale(losses).backward()
+
+
+def logits_and_loss_from_forward(model, x, y, accum_steps):
+    with ctx:
+        logits, loss = model(x, y)
+        loss = loss / accum_steps
+    scaler.scale(loss).backward()
+    return logits
+
+
+def targets_moved_in_region(model, x, y, device):
+    with torch.autocast("cuda"):
+        out = model(x)
+        y = y.to(device, non_blocking=True)
+    return F.cross_entropy(out.float(), y)
+
+
+def plain_fp32(model, x, y):
+    out = model(x)
+    return criterion(out, y)
+
+
+def disabled_island_outputs(model, x, y):
+    with torch.autocast("cuda", enabled=False):
+        out = model(x)
+    return criterion(out, y)
+
+
+def ctx_is_not_autocast(model, x, y):
+    ctx = model.no_sync
+    with ctx():
+        out = model(x)
+    return criterion(out, y)
+
+
+def _compute_loss(out, y):
+    return F.cross_entropy(out, y)
+
+
+def helper_called_in_region(model, x, y):
+    with torch.autocast("cuda"):
+        out = model(x)
+        loss = _compute_loss(out, y)
+    return loss
+
+
+def loss_on_parameters(logits, y):
+    return F.cross_entropy(logits, y)
+
+
+def softmax_probs_are_fp32(model, x, y):
+    with torch.autocast("cuda"):
+        probs = F.softmax(model(x), dim=-1)
+    return F.nll_loss(torch.log(probs), y)
+
+
+def metrics_after_block(model, x, y):
+    with torch.autocast("cuda"):
+        out = model(x)
+        loss = criterion(out, y)
+    accuracy = (out.argmax(-1) == y).float().mean()
+    return loss, accuracy
+
+
+def suppress_region(model, x, y):
+    with contextlib.suppress(KeyError):
+        out = model(x)
+    return criterion(out, y)
+
+
+def second_region_for_loss(model, x, y):
+    with torch.autocast("cuda"):
+        out = model(x)
+    with torch.autocast("cuda"):
+        loss = criterion(out, y)
+    return loss
+
+
+def loss_module_built_in_region(model, x, y):
+    with torch.autocast("cuda"):
+        loss_fn = nn.CrossEntropyLoss()
+        out = model(x).float()
+    return loss_fn(out, y)

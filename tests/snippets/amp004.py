@@ -1,0 +1,218 @@
+# AMP004 low-precision-reduce: a reduction over a tensor known to be fp16/bf16.
+import math
+import statistics
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ctx = nullcontext() if torch.cuda.is_available() else torch.amp.autocast(device_type="cuda", dtype=torch.float16)
+
+
+# ---- positives --------------------------------------------------------------------
+
+
+def mean_of_half_cast(x):
+    x = x.half()
+    return x.mean()  # AMP004
+
+
+def sum_of_fp16_factory(n):
+    h = torch.randn(n, n, dtype=torch.float16)
+    return torch.sum(h)  # AMP004
+
+
+def cuda_autocast_mean_of_matmul(x, w):
+    with torch.autocast("cuda", dtype=torch.float16):
+        h = x @ w
+        return h.mean()  # AMP004
+
+
+def cuda_autocast_var_and_std(x, w):
+    with torch.autocast("cuda"):
+        h = torch.matmul(x, w)
+        return h.var(dim=-1) + h.std(dim=-1)  # AMP004
+
+
+def cpu_fp16_autocast_sum(x, w):
+    with torch.autocast("cpu", dtype=torch.float16):
+        h = F.linear(x, w)
+        return h.sum()  # AMP004
+
+
+def cpu_bf16_autocast_cumsum(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.mm(x, w)
+        return h.cumsum(0)  # AMP004
+
+
+def bf16_cast_then_norm(x):
+    y = x.to(torch.bfloat16)
+    return y.norm()  # AMP004
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.autocast("cuda"):
+            y = self.proj(x)
+            return y.var()  # AMP004
+
+
+def arithmetic_keeps_low(x, w):
+    with torch.autocast("cuda"):
+        h = x @ w
+        return (h * 2 + 1).mean()  # AMP004
+
+
+def torch_mean_function(x, w):
+    with torch.autocast("cuda"):
+        h = torch.bmm(x, w)
+        return torch.mean(h)  # AMP004
+
+
+def view_preserves_dtype(x, w):
+    with torch.autocast("cuda"):
+        h = x @ w
+        return h.view(-1).std()  # AMP004
+
+
+def chained_half_sum(x):
+    return x.half().sum()  # AMP004
+
+
+def bf16_zeros_cumsum(n):
+    return torch.zeros(n, dtype=torch.bfloat16).cumsum(0)  # AMP004
+
+
+def half_tensor_type_prod(x):
+    return x.type(torch.HalfTensor).prod()  # AMP004
+
+
+def unknown_device_region(x, w, device):
+    with torch.autocast(device_type=device):
+        h = x @ w
+        return h.mean()  # AMP004
+
+
+def bfloat16_method_mean(x):
+    return x.bfloat16().mean(dim=-1)  # AMP004
+
+
+def used_after_region(x, w):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = x @ w
+    return h.mean()  # AMP004
+
+
+# ---- negatives --------------------------------------------------------------------
+
+
+def cuda_autocast_sum_is_fp32(x, w):
+    with torch.autocast("cuda"):
+        h = x @ w
+        return h.sum()
+
+
+def cuda_autocast_norm_cumsum_prod(x, w):
+    with torch.autocast("cuda"):
+        h = x @ w
+        return h.norm(), h.cumsum(0), h.prod()
+
+
+def exp_runs_in_fp32(x, w):
+    with torch.autocast("cuda"):
+        h = x @ w
+        return torch.exp(h).mean()
+
+
+def pow_runs_in_fp32(x, w):
+    with torch.autocast("cuda"):
+        h = x @ w
+        return h.pow(2).mean()
+
+
+def upcast_before_reduce(x):
+    h = x.half()
+    return h.float().mean()
+
+
+def explicit_accumulator_dtype(x):
+    h = x.half()
+    return h.mean(dtype=torch.float32) + h.sum(dtype=torch.float32)
+
+
+def rmsnorm_idiom(x, weight, eps=1e-6):
+    norm = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(norm + eps)).to(x.dtype) * weight
+
+
+def model_output_is_unknown(model, x):
+    logits = model(x)
+    return logits.mean()
+
+
+def fp32_tensors(n):
+    return torch.randn(n).mean() + torch.ones(n).sum()
+
+
+def numpy_reductions(arr):
+    return np.sum(arr) + arr.astype(np.float16).sum()
+
+
+def builtin_sum(losses):
+    return sum(losses) / len(losses)
+
+
+def cpu_autocast_prod_is_fp32(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ w
+        return h.prod()
+
+
+def disabled_island_fp32(x, w):
+    with torch.autocast("cuda"):
+        with torch.autocast("cuda", enabled=False):
+            h = x.float() @ w.float()
+            return h.mean()
+
+
+def upcast_after_region(x, w):
+    with torch.autocast("cuda"):
+        h = x @ w
+    return h.float().mean()
+
+
+def integer_tensors(x):
+    return x.long().sum() + x.half().long().sum()
+
+
+def round_trip_then_mean(x):
+    return x.half().float().mean()
+
+
+def loss_is_fp32_under_cuda_autocast(model, x, y):
+    with torch.autocast("cuda"):
+        loss = F.cross_entropy(x @ model.weight, y, reduction="none")
+        return loss.mean()
+
+
+def conditional_context_unknown(x, w):
+    with ctx:
+        h = x @ w
+        return h.mean()
+
+
+def stdlib_reductions(values):
+    return math.prod(values) + statistics.mean(values)
+
+
+def reassigned_to_fp32(x):
+    h = x.half()
+    h = h.float()
+    return h.mean()
