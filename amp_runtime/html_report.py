@@ -1,0 +1,443 @@
+"""One self-contained ``report.html`` from a guard's log folder.
+
+Reads ``events.jsonl`` (one ``Event.to_json()`` per line) and ``metrics.jsonl`` (one
+object per step: ``step``, ``loss``, ``loss_scale``, ``skipped``, ``grad_norm`` and,
+on some steps, per-layer ``layers`` statistics). The page has no external assets: the
+plots are PNG images embedded as base64, the style is inline. Plots need matplotlib;
+without it the page says so and still carries the diagnosis and the events.
+
+Torch-free: it only reads the logs.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import linecache
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from flake8_amp.catalog import severity_rank
+
+from .events import Event, Report
+from .thresholds import Thresholds
+
+EVENTS_FILE = "events.jsonl"
+METRICS_FILE = "metrics.jsonl"
+REPORT_FILE = "report.html"
+#: The events table lists at most this many events (the summary counts them all).
+MAX_EVENT_ROWS = 1000
+#: The underflow plot shows the layers with the highest peak underflow fraction.
+MAX_UNDERFLOW_LINES = 8
+#: Codes that mean "a value overflowed" for the diagnosis.
+_OVERFLOW_CODES = ("AMP101", "AMP102", "AMP103", "AMP112", "AMP007")
+
+
+class ReportError(Exception):
+    """A log folder that cannot be reported on; the message says why, in one line."""
+
+
+@dataclass
+class RunLog:
+    """What one guarded run left in its log folder."""
+
+    log_dir: Path
+    events: List[Event] = field(default_factory=list)
+    #: One dict per step, sorted by step.
+    steps: List[Dict[str, Any]] = field(default_factory=list)
+
+    def series(self, key: str) -> Tuple[List[int], List[float]]:
+        """Steps and finite values of one per-step number (missing values skipped)."""
+        xs, ys = [], []
+        for record in self.steps:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                xs.append(record["step"])
+                ys.append(float(value))
+        return xs, ys
+
+    def skipped_steps(self) -> List[int]:
+        return [r["step"] for r in self.steps if r.get("skipped")]
+
+    def layer_matrix(self, stat: str) -> Tuple[List[str], List[int], List[List[Optional[float]]]]:
+        """Layers (in first-seen order) × steps that have per-layer stats, of ``stat``."""
+        rows = [r for r in self.steps if isinstance(r.get("layers"), dict) and r["layers"]]
+        names: Dict[str, None] = {}
+        for record in rows:
+            names.update(dict.fromkeys(record["layers"]))
+        matrix = [[_number((r["layers"].get(name) or {}).get(stat)) for r in rows] for name in names]
+        return list(names), [r["step"] for r in rows], matrix
+
+
+def _number(value) -> Optional[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def load_run(log_dir: Union[str, Path]) -> RunLog:
+    """Read a log folder; ReportError when it is missing, empty or not a guard's log."""
+    folder = Path(log_dir)
+    if not folder.is_dir():
+        raise ReportError(f"{folder}: no such directory")
+    events_path, metrics_path = folder / EVENTS_FILE, folder / METRICS_FILE
+    if not events_path.exists() and not metrics_path.exists():
+        raise ReportError(f"{folder}: neither {EVENTS_FILE} nor {METRICS_FILE} found (is it a guard's log_dir?)")
+    run = RunLog(folder)
+    if events_path.exists():
+        try:
+            run.events = Report.from_jsonl(events_path).events
+        except (ValueError, TypeError, KeyError) as err:
+            raise ReportError(str(err)) from None
+        except UnicodeDecodeError:
+            raise ReportError(f"{events_path}: not a text file") from None
+    if metrics_path.exists():
+        run.steps = _read_metrics(metrics_path)
+    if not run.events and not run.steps:
+        raise ReportError(f"{folder}: the logs are empty (did the guarded run take any step?)")
+    return run
+
+
+def _read_metrics(path: Path) -> List[Dict[str, Any]]:
+    steps = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, text in enumerate(fh, 1):
+                if not text.strip():
+                    continue
+                try:
+                    record = json.loads(text)
+                except ValueError as err:
+                    raise ReportError(f"{path}:{number}: not JSON: {err}") from None
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ReportError(f"{path}:{number}: a metrics line needs an integer \"step\"")
+                steps.append(record)
+    except UnicodeDecodeError:
+        raise ReportError(f"{path}: not a text file") from None
+    steps.sort(key=lambda r: r["step"])
+    return steps
+
+
+# ---------------------------------------------------------------------------
+# Diagnosis in plain words
+
+
+def diagnose(run: RunLog) -> List[str]:
+    """Short sentences, most serious first, saying what went wrong and where."""
+    findings = []
+    collapse = _scale_collapse(run)
+    first = _first_overflow(run)
+    if collapse:
+        findings.append(collapse + (f"; first overflow {first}" if first else ""))
+    elif first:
+        findings.append(f"First overflow {first}.")
+    skipped = run.skipped_steps()
+    if skipped and run.steps:
+        findings.append(
+            f"{len(skipped)} of {len(run.steps)} steps skipped by the GradScaler "
+            f"({len(skipped) / len(run.steps):.0%}), first at step {skipped[0]}.")
+    bad_loss = [r["step"] for r in run.steps if _is_nonfinite(r.get("loss"))]
+    if bad_loss:
+        findings.append(f"The loss was NaN/Inf from step {bad_loss[0]} ({len(bad_loss)} step(s)).")
+    norm_steps, norms = run.series("grad_norm")
+    if norms and max(norms) > Thresholds().grad_explosion:
+        peak = max(range(len(norms)), key=norms.__getitem__)
+        findings.append(f"The total gradient norm peaked at {norms[peak]:.3g} at step {norm_steps[peak]}.")
+    if run.events:
+        counts = Counter(e.code for e in run.events)
+        worst = min(run.events, key=lambda e: severity_rank(e.severity))
+        severities = Counter(e.severity for e in run.events)
+        findings.append(
+            f"{len(run.events)} event(s) ({', '.join(f'{severities[s]} {s}' for s in sorted(severities))}); "
+            f"most frequent {', '.join(f'{c} ×{n}' for c, n in counts.most_common(3))}; "
+            f"worst: {worst.code} {worst.name}{_where(worst)}.")
+    if not (collapse or first or bad_loss or run.events):
+        _, scales = run.series("loss_scale")
+        scale = f", loss scale ended at {scales[-1]:g}" if scales else ""
+        findings.insert(0, f"No problems found: {len(run.steps)} step(s), no events{scale}.")
+    return findings
+
+
+def _is_nonfinite(value) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _scale_collapse(run: RunLog) -> str:
+    """'loss scale collapsed to 1 at step 37 after 12 consecutive overflows', or ''."""
+    steps, scales = run.series("loss_scale")
+    if not scales or min(scales) > 1.0:
+        return ""
+    at = next(i for i, s in enumerate(scales) if s <= 1.0)
+    skipped = set(run.skipped_steps())
+    streak = 0
+    for step in reversed(steps[: at + 1]):
+        if step not in skipped:
+            break
+        streak += 1
+    after = f" after {streak} consecutive overflows" if streak else ""
+    return f"Loss scale collapsed to {scales[at]:g} at step {steps[at]}{after}"
+
+
+def _first_overflow(run: RunLog) -> str:
+    """'in blocks.3.attn (matmul, model.py:88)' for the first overflow-type event."""
+    overflows = [e for e in run.events if e.code in _OVERFLOW_CODES]
+    if not overflows:
+        return ""
+    first = min(overflows, key=lambda e: (e.step is None, e.step or 0))
+    inside = ", ".join(p for p in (first.op, first.source) if p)
+    where = f"in {first.module}" if first.module else ""
+    step = "" if first.step is None else f"at step {first.step} "
+    return f"{step}{where}{f' ({inside})' if inside else ''} [{first.code}]".replace("  ", " ").strip()
+
+
+def _where(event: Event) -> str:
+    where = event.where()
+    return f" {where}" if where else ""
+
+
+# ---------------------------------------------------------------------------
+# Plots
+
+
+@dataclass
+class Plot:
+    key: str
+    title: str
+    #: base64 PNG, or None when there was nothing to draw.
+    png: Optional[str]
+    empty_reason: str = ""
+
+
+def _plots(run: RunLog) -> Optional[List[Plot]]:
+    """Every plot of the page, or None when matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    plots = []
+    for key, title, draw in _PLOTS:
+        figure = Figure(figsize=(10, 3.2), dpi=90)
+        axes = figure.add_subplot()
+        empty_reason = draw(run, axes, figure)
+        if empty_reason:
+            plots.append(Plot(key, title, None, empty_reason))
+            continue
+        axes.set_title(title, fontsize=11, loc="left")
+        axes.grid(True, alpha=0.3)
+        figure.tight_layout()
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        plots.append(Plot(key, title, base64.b64encode(buffer.getvalue()).decode("ascii")))
+    return plots
+
+
+def _draw_loss(run, axes, figure) -> str:
+    steps, losses = run.series("loss")
+    if not losses:
+        return "no loss values were recorded"
+    axes.plot(steps, losses, color="tab:blue", lw=1.2)
+    bad = [r["step"] for r in run.steps if _is_nonfinite(r.get("loss"))]
+    if bad:
+        axes.scatter(bad, [min(losses)] * len(bad), marker="x", color="red", label="NaN/Inf loss", zorder=3)
+        axes.legend(loc="upper right", fontsize=8)
+    axes.set_xlabel("step")
+    return ""
+
+
+def _draw_loss_scale(run, axes, figure) -> str:
+    steps, scales = run.series("loss_scale")
+    if not scales:
+        return "no GradScaler loss scale was recorded (bf16 or no scaler)"
+    axes.step(steps, scales, where="post", color="tab:purple", lw=1.2)
+    axes.set_yscale("log", base=2)
+    by_step = dict(zip(steps, scales))
+    skipped = [s for s in run.skipped_steps() if s in by_step]
+    if skipped:
+        axes.scatter(skipped, [by_step[s] for s in skipped], marker="x", color="red",
+                     label=f"skipped step ({len(skipped)})", zorder=3)
+        axes.legend(loc="upper right", fontsize=8)
+    axes.set_xlabel("step")
+    return ""
+
+
+def _draw_grad_norm(run, axes, figure) -> str:
+    steps, norms = run.series("grad_norm")
+    positive = [(s, n) for s, n in zip(steps, norms) if n > 0]
+    if not positive:
+        return "no gradient norm was recorded"
+    axes.plot(*zip(*positive), color="tab:green", lw=1.2)
+    axes.set_yscale("log")
+    axes.set_xlabel("step")
+    return ""
+
+
+def _draw_layer_heatmap(run, axes, figure) -> str:
+    names, steps, matrix = run.layer_matrix("norm")
+    if not names:
+        return "no per-layer gradient statistics were recorded"
+    values = [[math.log10(v) if v and v > 0 and math.isfinite(v) else math.nan for v in row] for row in matrix]
+    figure.set_size_inches(10, max(2.5, 0.9 + 0.22 * len(names)))
+    image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
+                        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))
+    axes.set_yticks(range(len(names)), labels=names, fontsize=7)
+    axes.set_xlabel("step")
+    figure.colorbar(image, ax=axes, label="log10 grad norm")
+    axes.grid(False)
+    return ""
+
+
+def _draw_underflow(run, axes, figure) -> str:
+    names, steps, matrix = run.layer_matrix("underflow_fraction")
+    rows = [(name, row) for name, row in zip(names, matrix) if any(v is not None for v in row)]
+    if not rows:
+        return "no underflow fractions were recorded (they need fp16 gradients under a GradScaler)"
+    rows.sort(key=lambda item: max(v for v in item[1] if v is not None), reverse=True)
+    for name, row in rows[:MAX_UNDERFLOW_LINES]:
+        axes.plot(steps, [math.nan if v is None else v for v in row], lw=1.1, label=name)
+    axes.set_ylabel("fraction of nonzero grads")
+    axes.set_xlabel("step")
+    axes.legend(loc="upper right", fontsize=7, ncol=2)
+    return ""
+
+
+_SEVERITY_COLORS = {"P0": "#c62828", "P1": "#ef6c00", "P2": "#1565c0"}
+
+
+def _draw_timeline(run, axes, figure) -> str:
+    timed = [e for e in run.events if e.step is not None]
+    if not timed:
+        return "no events with a step"
+    codes = sorted({e.code for e in timed})
+    for severity, color in _SEVERITY_COLORS.items():
+        chosen = [e for e in timed if e.severity == severity]
+        if chosen:
+            axes.scatter([e.step for e in chosen], [codes.index(e.code) for e in chosen],
+                         color=color, marker="|", s=200, label=severity)
+    axes.set_yticks(range(len(codes)), labels=codes, fontsize=8)
+    axes.set_ylim(-0.7, len(codes) - 0.3)
+    axes.set_xlabel("step")
+    axes.legend(loc="upper right", fontsize=8)
+    return ""
+
+
+_PLOTS: Sequence[Tuple[str, str, Callable]] = (
+    ("loss", "Loss", _draw_loss),
+    ("loss-scale", "Loss scale (log2), skipped steps marked", _draw_loss_scale),
+    ("grad-norm", "Total gradient norm (unscaled)", _draw_grad_norm),
+    ("layer-heatmap", "Per-layer gradient norm (layers × steps)", _draw_layer_heatmap),
+    ("underflow", "Gradient underflow fraction in fp16, per layer", _draw_underflow),
+    ("timeline", "Events timeline", _draw_timeline),
+)
+
+
+# ---------------------------------------------------------------------------
+# The page
+
+_STYLE = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1100px;color:#222;padding:0 12px}
+h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
+.meta{color:#666;margin-bottom:14px}
+.diagnosis{background:#fff8e1;border-left:4px solid #f9a825;padding:8px 16px}
+.diagnosis.ok{background:#e8f5e9;border-color:#43a047}
+figure{margin:10px 0} figure img{max-width:100%}
+.missing{color:#777;font-style:italic;border:1px dashed #ccc;padding:8px}
+table{border-collapse:collapse;width:100%;font-size:12px} th,td{border:1px solid #ddd;padding:3px 6px;vertical-align:top;text-align:left}
+th{background:#f5f5f5} td code{white-space:pre-wrap}
+.P0{color:#c62828;font-weight:600} .P1{color:#ef6c00} .P2{color:#1565c0}
+"""
+
+
+def render(run: RunLog) -> str:
+    """The HTML text of the report."""
+    esc = html.escape
+    diagnosis = diagnose(run)
+    healthy = diagnosis[0].startswith("No problems found")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>amp_runtime report — {esc(run.log_dir.name)}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        "<h1>amp_runtime report</h1>",
+        f'<div class="meta">{esc(str(run.log_dir))} — {len(run.steps)} step(s), {len(run.events)} event(s)</div>',
+        f'<section id="diagnosis" class="diagnosis{" ok" if healthy else ""}"><h2>Diagnosis</h2><ul>',
+        *(f"<li>{esc(sentence)}</li>" for sentence in diagnosis),
+        "</ul></section>",
+        '<section id="plots"><h2>Plots</h2>',
+    ]
+    plots = _plots(run)
+    if plots is None:
+        parts.append('<p class="missing" id="no-matplotlib">Plots need matplotlib, which is not installed '
+                     '(<code>pip install "flake8-amp[report]"</code>); the diagnosis and events are below.</p>')
+    else:
+        for plot in plots:
+            if plot.png is None:
+                parts.append(f'<figure class="plot missing" id="plot-{plot.key}">{esc(plot.title)}: '
+                             f"{esc(plot.empty_reason)}</figure>")
+            else:
+                parts.append(f'<figure class="plot" id="plot-{plot.key}"><img alt="{esc(plot.title)}" '
+                             f'src="data:image/png;base64,{plot.png}"></figure>')
+    parts.append("</section>")
+    parts += _summary_table(run)
+    parts += _events_table(run)
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _summary_table(run: RunLog) -> List[str]:
+    esc = html.escape
+    rows = ['<section id="summary"><h2>Events by code and place</h2>']
+    if not run.events:
+        return rows + ["<p>No events.</p></section>"]
+    rows.append("<table><tr><th>code</th><th>severity</th><th>count</th><th>first step</th>"
+                "<th>op</th><th>module</th><th>source</th><th>message</th></tr>")
+    groups = sorted(Report(run.events).grouped(), key=lambda g: (severity_rank(g[0].severity), g[0].code))
+    for group in groups:
+        e = group[0]
+        rows.append(
+            f'<tr><td>{esc(e.code)}</td><td class="{esc(e.severity)}">{esc(e.severity)}</td><td>{len(group)}</td>'
+            f"<td>{'' if e.step is None else e.step}</td><td>{esc(e.op or '')}</td><td>{esc(e.module or '')}</td>"
+            f"<td>{esc(e.source or '')}</td><td>{esc(e.message)}</td></tr>")
+    return rows + ["</table></section>"]
+
+
+def _events_table(run: RunLog) -> List[str]:
+    esc = html.escape
+    rows = ['<section id="events"><h2>Events</h2>']
+    if not run.events:
+        return rows + ["<p>No events.</p></section>"]
+    rows.append("<table><tr><th>step</th><th>code</th><th>severity</th><th>op</th><th>module</th>"
+                "<th>source</th><th>message</th></tr>")
+    for e in run.events[:MAX_EVENT_ROWS]:
+        line = _source_text(e.source)
+        source = esc(e.source or "") + (f"<br><code>{esc(line)}</code>" if line else "")
+        rows.append(
+            f"<tr><td>{'' if e.step is None else e.step}</td><td>{esc(e.code)}</td>"
+            f'<td class="{esc(e.severity)}">{esc(e.severity)}</td><td>{esc(e.op or "")}</td>'
+            f"<td>{esc(e.module or '')}</td><td>{source}</td><td>{esc(e.message)}</td></tr>")
+    rows.append("</table>")
+    if len(run.events) > MAX_EVENT_ROWS:
+        rows.append(f"<p>… and {len(run.events) - MAX_EVENT_ROWS} more event(s), all in {EVENTS_FILE}.</p>")
+    return rows + ["</section>"]
+
+
+def _source_text(source: Optional[str]) -> str:
+    """The text of the user's source line ``file:line``, when the file is still there."""
+    if not source or ":" not in source:
+        return ""
+    path, _, number = source.rpartition(":")
+    return linecache.getline(path, int(number)).strip() if number.isdigit() else ""
+
+
+def build_report(log_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> Path:
+    """Write ``report.html`` (default: inside ``log_dir``) and return its path."""
+    run = load_run(log_dir)
+    target = Path(out) if out is not None else run.log_dir / REPORT_FILE
+    try:
+        target.write_text(render(run), encoding="utf-8")
+    except OSError as err:
+        raise ReportError(f"cannot write {target}: {err.strerror}") from None
+    return target

@@ -1,0 +1,80 @@
+"""``guard(tensorboard=writer_or_dir)``: the guard's per-step numbers as TensorBoard scalars.
+
+Written at every step end (a step listener), under the ``amp/`` prefix:
+``amp/loss``, ``amp/loss_scale``, ``amp/grad_norm``, ``amp/skipped`` (1 on a skipped
+step), and the running event counts ``amp/events/total``, ``amp/events/P0`` ..
+``amp/events/AMP101`` ... The argument is a ``SummaryWriter`` (or anything with
+``add_scalar``; the caller keeps and closes it) or a folder, for which the guard opens
+and closes its own ``torch.utils.tensorboard.SummaryWriter``.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any, Dict, List
+
+from .monitors import Monitor
+
+#: Per-step values of the step record written as scalars.
+RECORD_SCALARS = ("loss", "loss_scale", "grad_norm")
+_INSTALL_HINT = 'guard(tensorboard=...) needs the tensorboard package: pip install "flake8-amp[tensorboard]"'
+
+
+class TensorBoardWriter(Monitor):
+    def __init__(self, target):
+        super().__init__()
+        if not (isinstance(target, (str, os.PathLike)) or callable(getattr(target, "add_scalar", None))):
+            raise TypeError(
+                "guard(tensorboard=...) takes a SummaryWriter or a log folder path, "
+                f"got {type(target).__name__}")
+        self.target = target
+        self.writer = None
+        self.owns_writer = False
+        self.counted = 0
+        self.counts: Counter = Counter()
+
+    def attach(self, guard) -> None:
+        super().attach(guard)
+        if isinstance(self.target, (str, os.PathLike)):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError(_INSTALL_HINT) from None
+            self.writer = SummaryWriter(log_dir=os.fspath(self.target))
+            self.owns_writer = True
+        else:
+            self.writer = self.target
+        guard.step_listeners.append(self.write_step)
+
+    def write_step(self, step: int, record: Dict[str, Any]) -> None:
+        for key in RECORD_SCALARS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"amp/{key}", value, step)
+        if "skipped" in record:
+            self.writer.add_scalar("amp/skipped", int(bool(record["skipped"])), step)
+        events = self.guard.report.events
+        for event in events[self.counted:]:
+            self.counts[event.severity] += 1
+            self.counts[event.code] += 1
+        self.counted = len(events)
+        self.writer.add_scalar("amp/events/total", self.counted, step)
+        for key, count in sorted(self.counts.items()):
+            self.writer.add_scalar(f"amp/events/{key}", count, step)
+
+    def detach(self) -> None:
+        super().detach()
+        if self.guard is not None and self.write_step in self.guard.step_listeners:
+            self.guard.step_listeners.remove(self.write_step)
+        if self.writer is not None:
+            if self.owns_writer:
+                self.writer.close()
+            elif callable(getattr(self.writer, "flush", None)):
+                self.writer.flush()
+        self.writer = None
+
+
+def monitors(guard) -> List[Monitor]:
+    """The guard's TensorBoard writer, when ``guard(tensorboard=...)`` was given."""
+    target = getattr(guard, "tensorboard", None)
+    return [] if target is None else [TensorBoardWriter(target)]
