@@ -7,10 +7,14 @@ from flake8_amp.rules.amp001 import ManualCast
 from flake8_amp.rules.amp002 import LossOutsideAutocast
 from flake8_amp.rules.amp003 import BceUnderAutocast
 from flake8_amp.rules.amp004 import LowPrecisionReduce
+from flake8_amp.rules.amp005 import ClipBeforeUnscale
+from flake8_amp.rules.amp006 import StepBypassesScaler
 
 RULES = [
     ManualCast,
     LossOutsideAutocast,
     BceUnderAutocast,
     LowPrecisionReduce,
+    ClipBeforeUnscale,
+    StepBypassesScaler,
 ]

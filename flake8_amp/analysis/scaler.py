@@ -1,0 +1,446 @@
+"""GradScaler flow: what state scaled gradients are in when each call of a function runs.
+
+Per function (or module body, for scripts): which objects are gradient scalers (built by
+``torch.amp.GradScaler`` & co., or used as ``x.scale(loss)`` / ``x.unscale_(opt)``;
+``enabled=False`` scalers do nothing and do not count), which backward passes are
+scaled (``scaler.scale(loss).backward()``, or a name bound to ``scaler.scale(loss)``),
+and, before every call, the set of states the program may be in along the paths that
+reach it: no scaled gradients pending, scaled, unscaled by ``unscale_``, or handed to a
+helper that receives the scaler (which may unscale, step and update for us).
+
+Paths follow if/else, loops (one pass, in source order), try/except, ``with``,
+``match`` and early ``return``/``raise``/``continue``/``break``. Conditions are
+correlated: a path that took ``if use_amp:`` takes the same arm of a later
+``if use_amp:``, and amp/scaler flags (``use_amp``, ``args.fp16``, ``scaler is not
+None``, ``scaler.is_enabled()``) count as one condition, so the ``else`` of any of them
+is the no-scaler path.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass, replace
+from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+
+from astroid import nodes
+
+from flake8_amp.analysis.names import enclosing_class, is_self, keyword_value
+
+GRAD_SCALERS = frozenset(
+    {
+        "torch.amp.GradScaler",
+        "torch.cuda.amp.GradScaler",
+        "torch.cpu.amp.GradScaler",
+        "torch.GradScaler",
+        "torch.distributed.fsdp.ShardedGradScaler",
+        "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
+    }
+)
+
+#: Phases of the gradients of the current iteration, along one path.
+SCALED = "scaled"  # a scaled backward ran; gradients are multiplied by the loss scale
+UNSCALED = "unscaled"  # scaler.unscale_(optimizer) ran after it
+HELPED = "helped"  # a helper received the scaler: it may have unscaled/stepped/updated
+
+#: Above this many distinct path states, conditions are forgotten (paths still merge).
+_MAX_STATES = 64
+_AMP_FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "scaler", "autocast", "float16"})
+_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+_AMP_CONDITION = "<amp enabled>"
+_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
+
+
+def expression_key(expr: nodes.NodeNG) -> Optional[str]:
+    """``scaler`` / ``self.scaler`` / ``trainer.opt`` as text; None for other expressions."""
+    parts = []
+    while isinstance(expr, (nodes.Attribute, nodes.AssignAttr)):
+        parts.append(expr.attrname)
+        expr = expr.expr
+    if not isinstance(expr, (nodes.Name, nodes.AssignName)):
+        return None
+    parts.append(expr.name)
+    return ".".join(reversed(parts))
+
+
+def method_call(call: nodes.Call) -> Tuple[str, Optional[nodes.NodeNG]]:
+    """``(method name, receiver)`` of ``receiver.method(...)``; ``("", None)`` otherwise."""
+    func = call.func
+    if isinstance(func, nodes.Attribute):
+        return func.attrname, func.expr
+    return "", None
+
+
+def _words(identifier: str) -> List[str]:
+    return [word.lower() for word in _WORD.findall(identifier)]
+
+
+def _is_amp_flag(expr: nodes.NodeNG) -> bool:
+    """``use_amp``, ``args.fp16``, ``self.scaler``, ``cfg.mixed_precision``..."""
+    key = expression_key(expr)
+    return key is not None and bool(_AMP_FLAG_WORDS.intersection(_words(key.rsplit(".", 1)[-1])))
+
+
+def condition_key(test: nodes.NodeNG) -> Optional[Tuple[str, bool]]:
+    """A condition as ``(key, truth)`` so that repeated tests can be correlated.
+
+    ``not x`` -> ``(x, False)``; ``x is None`` -> ``(x, False)``; amp/scaler flags all
+    share one key. None for tests that are not worth correlating (arithmetic, calls).
+    """
+    truth = True
+    while isinstance(test, nodes.UnaryOp) and test.op == "not":
+        truth, test = not truth, test.operand
+    if isinstance(test, nodes.Compare) and len(test.ops) == 1:
+        op, right = test.ops[0]
+        if op in ("is", "is not") and isinstance(right, nodes.Const) and right.value is None:
+            truth = truth if op == "is not" else not truth
+            test = test.left
+        elif isinstance(right, nodes.Const) and expression_key(test.left) is not None:
+            return test.as_string(), truth
+        else:
+            return None
+    if isinstance(test, nodes.Call) and not test.args and method_call(test)[0] == "is_enabled":
+        test = test.func.expr
+    if _is_amp_flag(test):
+        return _AMP_CONDITION, truth
+    key = expression_key(test)
+    return (key, truth) if key is not None else None
+
+
+@dataclass(frozen=True)
+class PathState:
+    """What is known along one path through the function."""
+
+    #: None (no scaled gradients pending), SCALED, UNSCALED or HELPED.
+    phase: Optional[str] = None
+    #: Keys of optimizers ``scaler.step`` has stepped since the last scaled backward.
+    stepped: FrozenSet[str] = frozenset()
+    #: ``scaler.step(...)`` calls not yet followed by ``scaler.update()`` on this path.
+    pending_steps: FrozenSet[nodes.Call] = frozenset()
+    #: Names currently bound to a scaled loss (``loss = scaler.scale(loss)``).
+    scaled_names: FrozenSet[str] = frozenset()
+    #: Conditions decided on this path: ``(key, truth)``.
+    conditions: FrozenSet[Tuple[str, bool]] = frozenset()
+
+
+States = FrozenSet[PathState]
+
+
+@dataclass(frozen=True)
+class Scaler:
+    """A gradient scaler known by the key it is used through (``scaler``, ``self.scaler``)."""
+
+    key: str
+    #: The ``GradScaler(...)`` calls that build it (same function, class or module).
+    constructions: Tuple[nodes.Call, ...]
+
+    @property
+    def surely_enabled(self) -> bool:
+        """Built here, and every construction is enabled (no ``enabled=`` or ``enabled=True``)."""
+        return bool(self.constructions) and all(
+            _literal_enabled(call) is True for call in self.constructions
+        )
+
+
+def _literal_enabled(call: nodes.Call) -> Optional[bool]:
+    value = keyword_value(call, "enabled")
+    if value is None:
+        return True
+    if isinstance(value, nodes.Const) and isinstance(value.value, bool):
+        return value.value
+    return None
+
+
+def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:
+    """Calls in ``node`` in evaluation order (inner before outer), skipping nested scopes."""
+    stack: List[Tuple[nodes.NodeNG, bool]] = [(node, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if expanded:
+            if isinstance(current, nodes.Call):
+                yield current
+            continue
+        stack.append((current, True))
+        for child in reversed(list(current.get_children())):
+            if not isinstance(child, _SCOPES):
+                stack.append((child, False))
+
+
+class ScalerFlow:
+    """The scaler flow of one function or module body (see the module docstring)."""
+
+    def __init__(self, analysis: "ScalerAnalysis", scope: nodes.NodeNG):
+        self.scope = scope
+        self.names = analysis.names
+        self.scalers: Dict[str, Scaler] = analysis.scalers_in(scope)
+        #: The states that may hold just before each call of the scope runs.
+        self.states_before: Dict[nodes.Call, States] = {}
+        self.scaler_steps: List[nodes.Call] = []
+        self.scaled_backwards: List[nodes.Call] = []
+        self._updated_steps: Set[nodes.Call] = set()
+        self._loop_exits: List[Set[PathState]] = []
+        if self.scalers:
+            body = scope.body if isinstance(scope, (nodes.FunctionDef, nodes.Module)) else []
+            self._block(body, frozenset({PathState()}))
+
+    # -- queries -----------------------------------------------------------------------
+
+    def phases_before(self, call: nodes.Call) -> FrozenSet[Optional[str]]:
+        return frozenset(state.phase for state in self.states_before.get(call, ()))
+
+    def stepped_before(self, call: nodes.Call, optimizer_key: str) -> bool:
+        """Every path to ``call`` already ran ``scaler.step(<optimizer_key>)``."""
+        states = self.states_before.get(call, ())
+        return bool(states) and all(optimizer_key in state.stepped for state in states)
+
+    def steps_without_update(self) -> List[nodes.Call]:
+        """``scaler.step`` calls that no path follows with ``scaler.update()``."""
+        return [call for call in self.scaler_steps if call not in self._updated_steps]
+
+    def is_scaler(self, expr: Optional[nodes.NodeNG]) -> bool:
+        key = expression_key(expr) if expr is not None else None
+        return key is not None and key in self.scalers
+
+    def in_no_scaler_arm(self, node: nodes.NodeNG) -> bool:
+        """``node`` is in one arm of an ``if`` whose other arm uses the scaler."""
+        child, parent = node, node.parent
+        while parent is not None and parent is not self.scope:
+            if isinstance(parent, nodes.If):
+                other = parent.orelse if child in parent.body else parent.body if child in parent.orelse else []
+                if any(self._uses_scaler(statement) for statement in other):
+                    return True
+            child, parent = parent, parent.parent
+        return False
+
+    def _uses_scaler(self, statement: nodes.NodeNG) -> bool:
+        for call in calls_in_order(statement):
+            method, receiver = method_call(call)
+            if method in ("scale", "step", "unscale_", "update") and self.is_scaler(receiver):
+                return True
+        return False
+
+    # -- statements --------------------------------------------------------------------
+
+    def _block(self, statements: Sequence[nodes.NodeNG], states: States) -> States:
+        for statement in statements:
+            if not states:
+                break  # the rest of the block is unreachable on every path
+            states = self._statement(statement, states)
+        return states
+
+    def _statement(self, statement: nodes.NodeNG, states: States) -> States:
+        if isinstance(statement, nodes.If):
+            states = self._expression(statement.test, states)
+            body, orelse = self._split(statement.test, states)
+            return self._block(statement.body, body) | self._block(statement.orelse, orelse)
+        if isinstance(statement, (nodes.For, nodes.While)):
+            header = statement.iter if isinstance(statement, nodes.For) else statement.test
+            return self._loop(statement, self._expression(header, states))
+        if isinstance(statement, nodes.With):
+            for expr, _ in statement.items:
+                states = self._expression(expr, states)
+            return self._block(statement.body, states)
+        if isinstance(statement, (nodes.Try, nodes.TryStar)):
+            return self._try(statement, states)
+        if isinstance(statement, nodes.Match):
+            states = self._expression(statement.subject, states)
+            arms = [self._block(case.body, states) for case in statement.cases]
+            return frozenset(states.union(*arms))
+        if isinstance(statement, (nodes.Return, nodes.Raise)):
+            self._expression(statement, states)
+            return frozenset()
+        if isinstance(statement, (nodes.Continue, nodes.Break)):
+            if self._loop_exits:
+                self._loop_exits[-1].update(states)
+            return frozenset()
+        if isinstance(statement, (nodes.FunctionDef, nodes.ClassDef)):
+            return states
+        states = self._expression(statement, states)
+        if isinstance(statement, (nodes.Assign, nodes.AnnAssign)):
+            states = self._bind(statement, states)
+        return states
+
+    def _loop(self, loop: nodes.NodeNG, states: States) -> States:
+        self._loop_exits.append(set())
+        after_body = self._block(loop.body, states)
+        exits = self._loop_exits.pop()
+        return self._limit(self._block(loop.orelse, states | after_body) | exits)
+
+    def _try(self, statement: nodes.NodeNG, states: States) -> States:
+        after_body = self._block(statement.body, states)
+        out = self._block(statement.orelse, after_body)
+        for handler in statement.handlers:
+            out = out | self._block(handler.body, states | after_body)
+        return self._block(statement.finalbody, out) if statement.finalbody else out
+
+    def _split(self, test: nodes.NodeNG, states: States) -> Tuple[States, States]:
+        """States entering the body and the else arm of ``if test``."""
+        condition = condition_key(test)
+        if condition is None:
+            return states, states
+        key, truth = condition
+        body, orelse = set(), set()
+        for state in states:
+            decided = {value for k, value in state.conditions if k == key}
+            if decided:
+                (body if truth in decided else orelse).add(state)
+            else:
+                body.add(replace(state, conditions=state.conditions | {(key, truth)}))
+                orelse.add(replace(state, conditions=state.conditions | {(key, not truth)}))
+        return self._limit(body), self._limit(orelse)
+
+    @staticmethod
+    def _limit(states: Iterable[PathState]) -> States:
+        states = frozenset(states)
+        if len(states) > _MAX_STATES:
+            states = frozenset(replace(state, conditions=frozenset()) for state in states)
+        return states
+
+    def _bind(self, statement: nodes.NodeNG, states: States) -> States:
+        """Track names bound to a scaled loss (``loss = scaler.scale(loss)``)."""
+        targets = statement.targets if isinstance(statement, nodes.Assign) else [statement.target]
+        keys = {expression_key(target) for target in targets} - {None}
+        if not keys:
+            return states
+        bound = set()
+        for state in states:
+            names = state.scaled_names - keys
+            if self._is_scaled(statement.value, state):
+                names |= keys
+            bound.add(replace(state, scaled_names=names))
+        return frozenset(bound)
+
+    # -- calls -------------------------------------------------------------------------
+
+    def _expression(self, node: nodes.NodeNG, states: States) -> States:
+        for call in calls_in_order(node):
+            self.states_before[call] = states
+            states = self._call(call, states)
+        return states
+
+    def _call(self, call: nodes.Call, states: States) -> States:
+        method, receiver = method_call(call)
+        if method == "backward" and not call.args:
+            if any(self._is_scaled(receiver, state) for state in states):
+                self.scaled_backwards.append(call)
+                return frozenset(
+                    replace(state, phase=SCALED, stepped=frozenset()) if self._is_scaled(receiver, state) else state
+                    for state in states
+                )
+            return states
+        if self.is_scaler(receiver):
+            if method == "unscale_":
+                return frozenset(replace(state, phase=UNSCALED) for state in states)
+            if method == "step":
+                self.scaler_steps.append(call)
+                stepped = expression_key(call.args[0]) if call.args else None
+                return frozenset(
+                    replace(state, stepped=state.stepped | {stepped} - {None}, pending_steps=state.pending_steps | {call})
+                    for state in states
+                )
+            if method == "update":
+                return self._updated(states, phase=None)
+            return states
+        if any(self.is_scaler(arg) for arg in _arguments(call)):
+            return self._updated(states, phase=HELPED)
+        return states
+
+    def _updated(self, states: States, phase: Optional[str]) -> States:
+        """``scaler.update()`` ran (or a helper that may run it received the scaler)."""
+        for state in states:
+            self._updated_steps.update(state.pending_steps)
+        return frozenset(replace(state, phase=phase, stepped=frozenset(), pending_steps=frozenset()) for state in states)
+
+    def _is_scaled(self, expr: Optional[nodes.NodeNG], state: PathState) -> bool:
+        """``expr`` is a scaled loss: ``scaler.scale(x)``, a name bound to one, or ``that / n``."""
+        if isinstance(expr, nodes.Call):
+            method, receiver = method_call(expr)
+            return method == "scale" and bool(expr.args) and self.is_scaler(receiver)
+        if isinstance(expr, nodes.BinOp):
+            return self._is_scaled(expr.left, state) or self._is_scaled(expr.right, state)
+        key = expression_key(expr) if expr is not None else None
+        return key is not None and key in state.scaled_names
+
+
+def _arguments(call: nodes.Call) -> Iterator[nodes.NodeNG]:
+    yield from call.args
+    for keyword in call.keywords or ():
+        yield keyword.value
+
+
+class ScalerAnalysis:
+    """Scaler flows of one module, built on demand per function (see :func:`scaler_analysis`)."""
+
+    def __init__(self, context):
+        self.context = context
+        self.names = context.names
+        self._flows: Dict[nodes.NodeNG, ScalerFlow] = {}
+
+    def flow(self, node: nodes.NodeNG) -> ScalerFlow:
+        """The flow of the function (or module body) that ``node`` runs in."""
+        scope = node.scope() if not isinstance(node, (nodes.FunctionDef, nodes.Module)) else node
+        if scope not in self._flows:
+            self._flows[scope] = ScalerFlow(self, scope)
+        return self._flows[scope]
+
+    def scalers_in(self, scope: nodes.NodeNG) -> Dict[str, Scaler]:
+        """Scalers used in ``scope``: built by GradScaler, or used as ``.scale(x)``/``.unscale_``.
+
+        Scalers whose every construction is ``enabled=False`` are left out: they do nothing.
+        """
+        receivers: Dict[str, nodes.NodeNG] = {}
+        used_as_scaler: Set[str] = set()
+        for call in calls_in_order(scope) if not isinstance(scope, nodes.Lambda) else ():
+            method, receiver = method_call(call)
+            key = expression_key(receiver) if receiver is not None else None
+            if key is None:
+                continue
+            receivers.setdefault(key, receiver)
+            if (method == "scale" and len(call.args) == 1) or method == "unscale_":
+                used_as_scaler.add(key)
+        scalers = {}
+        for key, receiver in receivers.items():
+            constructions = self.constructions(receiver)
+            if not constructions and key not in used_as_scaler:
+                continue
+            if constructions and all(_literal_enabled(call) is False for call in constructions):
+                continue
+            scalers[key] = Scaler(key, tuple(constructions))
+        return scalers
+
+    def constructions(self, expr: nodes.NodeNG) -> List[nodes.Call]:
+        """The ``GradScaler(...)`` calls whose result ``expr`` (a name or ``self.x``) holds."""
+        if isinstance(expr, nodes.Name):
+            values = self.names.assigned_values(expr) or []
+        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            values = self.names.self_attribute_values(expr)
+        else:
+            return []
+        return [
+            value
+            for value in values
+            if isinstance(value, nodes.Call) and self.names.callee_qualname(value) in GRAD_SCALERS
+        ]
+
+    def class_updates(self, attribute: nodes.NodeNG) -> bool:
+        """``self.<scaler>.update()`` is called in some method of the enclosing class."""
+        classdef = enclosing_class(attribute)
+        if classdef is None or not isinstance(attribute, nodes.Attribute) or not is_self(attribute.expr):
+            return False
+        for method in classdef.mymethods():
+            for call in calls_in_order(method):
+                name, receiver = method_call(call)
+                if name == "update" and isinstance(receiver, nodes.Attribute) and is_self(receiver.expr):
+                    if receiver.attrname == attribute.attrname:
+                        return True
+        return False
+
+
+_ANALYSES: "weakref.WeakKeyDictionary[object, ScalerAnalysis]" = weakref.WeakKeyDictionary()
+
+
+def scaler_analysis(context) -> ScalerAnalysis:
+    """The module's :class:`ScalerAnalysis`, built once and shared by every rule."""
+    analysis = _ANALYSES.get(context)
+    if analysis is None:
+        analysis = _ANALYSES[context] = ScalerAnalysis(context)
+    return analysis

@@ -1,0 +1,38 @@
+"""AMP005 clip-before-unscale: clipping gradients that a GradScaler scaled and did not unscale."""
+from __future__ import annotations
+
+from astroid import nodes
+
+from flake8_amp.analysis.names import last_part
+from flake8_amp.analysis.scaler import HELPED, SCALED, UNSCALED, scaler_analysis
+from flake8_amp.engine import Check
+
+CLIP_FUNCTIONS = frozenset(
+    "torch.nn.utils." + name
+    for name in (
+        "clip_grad_norm_",
+        "clip_grad_value_",
+        "clip_grad_norm",
+        "clip_grad.clip_grad_norm_",
+        "clip_grad.clip_grad_value_",
+    )
+)
+
+
+class ClipBeforeUnscale(Check):
+    """The clip threshold is compared with gradients still multiplied by the loss scale."""
+
+    code = "AMP005"
+    triggers = ("clip_grad",)
+
+    @classmethod
+    def applies(cls, source, options):
+        return super().applies(source, options) and ".scale(" in source
+
+    def visit_call(self, node: nodes.Call) -> None:
+        if self.context.names.qualname(node.func) not in CLIP_FUNCTIONS:
+            return
+        flow = scaler_analysis(self.context).flow(node)
+        phases = flow.phases_before(node)
+        if SCALED in phases and not phases & {UNSCALED, HELPED} and not flow.in_no_scaler_arm(node):
+            self.report(node, func=last_part(self.context.names.qualname(node.func)))

@@ -1,0 +1,62 @@
+"""AMP006 step-bypasses-scaler: ``optimizer.step()`` on scaled grads; ``scaler.step`` without update."""
+from __future__ import annotations
+
+from typing import Optional
+
+from astroid import nodes
+
+from flake8_amp.analysis.context import name_words
+from flake8_amp.analysis.scaler import HELPED, SCALED, UNSCALED, ScalerFlow, expression_key, method_call, scaler_analysis
+from flake8_amp.engine import Check
+
+#: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).
+OPTIMIZER_WORDS = frozenset({"opt", "optim", "optimizer", "optimiser", "optimizers"})
+#: Words that say it is something else with a ``step()`` (schedulers, EMA, SWA, samplers).
+NOT_OPTIMIZER_WORDS = frozenset({"sched", "scheduler", "lr", "warmup", "ema", "swa", "sampler", "env"})
+
+
+class StepBypassesScaler(Check):
+    """Stepping past the scaler applies scaled, unchecked gradients; no update freezes the scale."""
+
+    code = "AMP006"
+    triggers = (".scale(",)
+
+    def visit_call(self, node: nodes.Call) -> None:
+        method, receiver = method_call(node)
+        if method != "step" or receiver is None:
+            return
+        flow = scaler_analysis(self.context).flow(node)
+        if flow.is_scaler(receiver):
+            self._check_update(node, receiver, flow)
+        elif len(node.args) <= 1 and _is_optimizer(receiver):
+            self._check_plain_step(node, receiver, flow)
+
+    def _check_plain_step(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
+        phases = flow.phases_before(node)
+        if not phases & {SCALED, UNSCALED} or HELPED in phases or flow.in_no_scaler_arm(node):
+            return
+        key = expression_key(receiver)
+        if key is not None and flow.stepped_before(node, key):
+            return
+        self.report(
+            node,
+            detail=f"{receiver.as_string()}.step() applies gradients scaled by GradScaler (inf/NaN steps are not skipped)",
+        )
+
+    def _check_update(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
+        if node not in flow.steps_without_update():
+            return
+        if scaler_analysis(self.context).class_updates(receiver):
+            return
+        scaler = receiver.as_string()
+        self.report(node, detail=f"{scaler}.step() with no {scaler}.update() after it: the loss scale never adapts")
+
+
+def _is_optimizer(receiver: nodes.NodeNG) -> bool:
+    key: Optional[str] = expression_key(receiver)
+    if key is None:
+        return False
+    words = name_words(key.rsplit(".", 1)[-1])
+    if NOT_OPTIMIZER_WORDS.intersection(words):
+        return False
+    return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)

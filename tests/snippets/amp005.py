@@ -1,0 +1,421 @@
+"""AMP005 clip-before-unscale: clipping gradients that GradScaler scaled but did not unscale."""
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.utils as nn_utils
+from accelerate import Accelerator
+from apex import amp as apex_amp
+from torch.nn.utils import clip_grad_norm_, clip_grad_value_
+from torch.nn.utils import clip_grad_norm_ as clip_norm
+
+# ---------------------------------------------------------------- positives
+
+
+def clip_without_unscale(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_value_without_unscale(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    clip_grad_value_(model.parameters(), 0.5)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_through_from_import(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    clip_grad_norm_(model.parameters(), max_norm=1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_through_renamed_import(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    clip_norm(model.parameters(), 1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_through_module_alias(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    nn_utils.clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_through_nn(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def local_scaler(model, loader, optimizer):
+    scaler = torch.amp.GradScaler("cuda")
+    for batch in loader:
+        optimizer.zero_grad()
+        with torch.autocast("cuda"):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def scaled_loss_alias(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    loss = scaler.scale(loss)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def unscale_after_clip(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_under_accumulation(model, loader, optimizer, scaler, accum_steps, max_norm):
+    for step, batch in enumerate(loader):
+        with torch.autocast("cuda"):
+            loss = model(batch) / accum_steps
+        scaler.scale(loss).backward()
+        if (step + 1) % accum_steps == 0:
+            if max_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # AMP005
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+
+
+class Trainer:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def train_step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)  # AMP005
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def scaled_branch_then_shared_clip(model, batch, optimizer, scaler, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        loss = model(batch)
+    if use_amp:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+    if use_amp:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+
+
+def clip_inside_scaler_branch(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        clip_grad_norm_(model.parameters(), 1.0)  # AMP005
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+
+def second_optimizer_not_unscaled(gen, disc, batch, opt_g, opt_d, scaler):
+    with torch.autocast("cuda"):
+        d_loss = disc(batch)
+    scaler.scale(d_loss).backward()
+    scaler.unscale_(opt_d)
+    clip_grad_norm_(disc.parameters(), 1.0)
+    scaler.step(opt_d)
+    with torch.autocast("cuda"):
+        g_loss = gen(batch)
+    scaler.scale(g_loss).backward()
+    clip_grad_norm_(gen.parameters(), 1.0)  # AMP005
+    scaler.step(opt_g)
+    scaler.update()
+
+
+def scaler_enabled_by_flag(model, batch, optimizer, use_amp):
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+    with torch.autocast("cuda", enabled=use_amp):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    clip_grad_value_(model.parameters(), 1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def multiline_clip(model, batch, optimizer, scaler, args):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(  # AMP005
+        model.parameters(),
+        args.max_grad_norm,
+    )
+    scaler.step(optimizer)
+    scaler.update()
+    return grad_norm
+
+
+def scaled_division_backward(model, batch, optimizer, scaler, accum):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss / accum).backward()
+    clip_grad_norm_(model.parameters(), 5.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+# ---------------------------------------------------------------- negatives
+
+
+def unscale_then_clip(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def unscale_in_enclosing_block(model, batch, optimizer, scaler, clip_grad, clip_mode):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    if clip_grad is not None:
+        scaler.unscale_(optimizer)
+        if clip_mode == "norm":
+            clip_grad_norm_(model.parameters(), clip_grad)
+        else:
+            clip_grad_value_(model.parameters(), clip_grad)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def unscale_in_separate_guard(model, batch, optimizer, scaler, max_norm):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    if max_norm:
+        scaler.unscale_(optimizer)
+    if max_norm:
+        clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def no_scaler_branch(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+
+def use_amp_else_branch(model, batch, optimizer, scaler, use_amp):
+    if use_amp:
+        with torch.autocast("cuda"):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+    loss = model(batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
+
+
+def disabled_scaler(model, batch, optimizer):
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    loss = model(batch)
+    scaler.scale(loss).backward()
+    clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def plain_fp32_training(model, batch, optimizer):
+    loss = model(batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def bf16_without_scaler(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(batch)
+    loss.backward()
+    clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def accelerate_clip(model, loader, optimizer):
+    accelerator = Accelerator(mixed_precision="fp16")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for batch in loader:
+        with accelerator.autocast():
+            loss = model(batch)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class NativeScaler:
+    """timm-style wrapper: unscales before clipping internally."""
+
+    def __init__(self):
+        self._scaler = torch.amp.GradScaler("cuda")
+
+    def __call__(self, loss, optimizer, clip_grad=None, parameters=None, create_graph=False):
+        self._scaler.scale(loss).backward(create_graph=create_graph)
+        if clip_grad is not None:
+            self._scaler.unscale_(optimizer)
+            clip_grad_norm_(parameters, clip_grad)
+        self._scaler.step(optimizer)
+        self._scaler.update()
+
+
+def timm_loss_scaler(model, batch, optimizer, loss_scaler, clip_grad):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    loss_scaler(loss, optimizer, clip_grad=clip_grad, parameters=model.parameters())
+
+
+def apex_scale_loss(model, batch, optimizer):
+    loss = model(batch)
+    with apex_amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    clip_grad_norm_(apex_amp.master_params(optimizer), 1.0)
+    optimizer.step()
+
+
+class ClipInAttribute:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+        self.clip_fn = functools.partial(clip_grad_norm_, max_norm=1.0)
+
+    def step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        self.clip_fn(self.model.parameters())
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class ClippingOptimizer(torch.optim.SGD):
+    """Clipping inside step(): GradScaler.step unscales before calling it."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            clip_grad_norm_(group["params"], 1.0)
+        return super().step(closure)
+
+
+def helper_takes_scaler(model, batch, optimizer, scaler, unscale_grads):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    unscale_grads(scaler, optimizer)
+    clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_in_separate_function(model, max_norm):
+    return clip_grad_norm_(model.parameters(), max_norm)
+
+
+def lightning_manual_backward(self, batch):
+    opt = self.optimizers()
+    loss = self.model(batch)
+    self.manual_backward(loss)
+    self.clip_gradients(opt, gradient_clip_val=1.0)
+    clip_grad_norm_(self.parameters(), 1.0)
+    opt.step()
+
+
+def both_optimizers_unscaled(model, batch, opt_a, opt_b, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt_a)
+    scaler.unscale_(opt_b)
+    clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt_a)
+    scaler.step(opt_b)
+    scaler.update()
+
+
+def early_return_amp_path(model, batch, optimizer, scaler):
+    if scaler is None:
+        loss = model(batch)
+        loss.backward()
+        clip_grad_value_(model.parameters(), 1.0)
+        optimizer.step()
+        return
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    clip_grad_value_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def fairseq_style_optimizer(model, batch, optimizer):
+    loss = model(batch)
+    optimizer.backward(loss)
+    optimizer.clip_grad_norm(1.0)
+    optimizer.step()

@@ -1,0 +1,330 @@
+"""AMP006 step-bypasses-scaler: optimizer.step() on scaled grads; scaler.step without update."""
+import torch
+from accelerate import Accelerator
+
+# ---------------------------------------------------------------- positives
+
+
+def plain_step_after_scaled_backward(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    optimizer.step()  # AMP006
+
+
+def scaled_loss_alias(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    loss = scaler.scale(loss)
+    loss.backward()
+    optimizer.step()  # AMP006
+
+
+def scaled_loss_new_name(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaled_loss = scaler.scale(loss)
+    scaled_loss.backward()
+    optimizer.step()  # AMP006
+    optimizer.zero_grad()
+
+
+def local_scaler_in_loop(model, loader, optimizer):
+    scaler = torch.amp.GradScaler("cuda")
+    for batch in loader:
+        optimizer.zero_grad()
+        with torch.autocast("cuda"):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        optimizer.step()  # AMP006
+        scaler.update()
+
+
+def unscaled_then_plain_step(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()  # AMP006
+    scaler.update()
+
+
+def step_without_update(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)  # AMP006
+    optimizer.zero_grad()
+
+
+def step_without_update_in_loop(model, loader, optimizer):
+    scaler = torch.amp.GradScaler("cuda")
+    for batch in loader:
+        with torch.autocast("cuda"):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # AMP006
+        optimizer.zero_grad(set_to_none=True)
+
+
+def accumulation_plain_step(model, loader, optimizer, scaler, accum_steps):
+    for i, batch in enumerate(loader):
+        with torch.autocast("cuda"):
+            loss = model(batch) / accum_steps
+        scaler.scale(loss).backward()
+        if (i + 1) % accum_steps == 0:
+            optimizer.step()  # AMP006
+            optimizer.zero_grad()
+
+
+class Trainer:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def train_step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        self.optimizer.step()  # AMP006
+        self.optimizer.zero_grad()
+
+
+def two_optimizers_one_plain(model, batch, opt_body, opt_head, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(opt_body)
+    opt_head.step()  # AMP006
+    scaler.update()
+
+
+def scaled_branch_then_shared_step(model, batch, optimizer, scaler, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        loss = model(batch)
+    if use_amp:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
+    optimizer.step()  # AMP006
+    optimizer.zero_grad()
+
+
+def scaler_enabled_by_flag(model, batch, optimizer, use_amp):
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+    with torch.autocast("cuda", enabled=use_amp):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    optimizer.step()  # AMP006
+
+
+def scaled_division_backward(model, batch, optim, scaler, accum):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss / accum).backward()
+    optim.step()  # AMP006
+
+
+def step_in_branch_without_update(model, batch, optimizer, scaler, step, accum):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    if (step + 1) % accum == 0:
+        scaler.step(optimizer)  # AMP006
+        optimizer.zero_grad()
+
+
+def generator_discriminator(gen, disc, batch, opt_g, opt_d, scaler):
+    with torch.autocast("cuda"):
+        d_loss = disc(batch)
+    scaler.scale(d_loss).backward()
+    opt_d.step()  # AMP006
+    with torch.autocast("cuda"):
+        g_loss = gen(batch)
+    scaler.scale(g_loss).backward()
+    scaler.step(opt_g)
+    scaler.update()
+
+
+def multiline_plain_step(model, batch, optimizer, scaler, closure):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    optimizer.step(  # AMP006
+        closure,
+    )
+
+
+# ---------------------------------------------------------------- negatives
+
+
+def scaler_step_and_update(model, batch, optimizer, scheduler, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def scheduler_after_accumulation(model, loader, optimizer, lr_scheduler, scaler, accum):
+    for i, batch in enumerate(loader):
+        with torch.autocast("cuda"):
+            loss = model(batch) / accum
+        scaler.scale(loss).backward()
+        if (i + 1) % accum == 0:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        lr_scheduler.step()
+
+
+def no_scaler_branch(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+
+
+def correlated_use_amp_branches(model, batch, optimizer, scaler, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        loss = model(batch)
+    if use_amp:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
+    if use_amp:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+
+
+def mixed_conditions(model, batch, optimizer, scaler, args):
+    with torch.autocast("cuda", enabled=args.amp):
+        loss = model(batch)
+    if args.amp:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def disabled_scaler(model, batch, optimizer):
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    loss = model(batch)
+    scaler.scale(loss).backward()
+    optimizer.step()
+
+
+def accelerate_prepared_optimizer(model, loader, optimizer):
+    accelerator = Accelerator(mixed_precision="fp16")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for batch in loader:
+        with accelerator.autocast():
+            loss = model(batch)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def mmengine_update_params(model, batch, optim_wrapper):
+    with optim_wrapper.optim_context(model):
+        loss = model(batch)
+    optim_wrapper.update_params(loss)
+
+
+def lightning_manual_backward(self, batch):
+    opt = self.optimizers()
+    loss = self.model(batch)
+    self.manual_backward(loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def timm_native_scaler(model, batch, optimizer, loss_scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    loss_scaler(loss, optimizer, clip_grad=1.0, parameters=model.parameters())
+    optimizer.zero_grad()
+
+
+def helper_with_scaler(model, batch, optimizer, scaler, backward_and_step):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    backward_and_step(loss, optimizer, scaler)
+
+
+def bf16_plain_step(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def early_return_amp_path(model, batch, optimizer, scaler):
+    with torch.autocast("cuda", enabled=scaler is not None):
+        loss = model(batch)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+
+
+class SplitStep:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward_and_step(self, loss):
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+
+    def end_of_iteration(self):
+        self.scaler.update()
+        self.optimizer.zero_grad()
+
+
+def two_optimizers_one_update(model, batch, opt_a, opt_b, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(opt_a)
+    scaler.step(opt_b)
+    scaler.update()
+
+
+def ema_and_scheduler_steps(model, ema, batch, optimizer, scheduler, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    ema.step(model)
+    scheduler.step()
+
+
+def apex_scale_loss(model, batch, optimizer, amp):
+    loss = model(batch)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
