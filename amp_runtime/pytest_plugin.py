@@ -1,1 +1,127 @@
-"""pytest plugin for amp_runtime (fixture amp_guard); being written."""
+"""pytest plugin: run tests inside an amp_runtime guard and fail them on AMP events.
+
+- fixture ``amp_guard``: the test body runs inside ``amp_runtime.guard()`` (the fixture
+  value is the Guard); the test fails when an event happened that it does not allow,
+  and the failure shows the events as a table.
+- marker ``@pytest.mark.amp_guard(allow=[...], trace=..., policy=..., select=..., ignore=...)``
+  configures it (and applies it: a marked test is guarded without naming the fixture).
+- ini options ``amp_guard_allow`` and ``amp_guard_trace``; flag ``--amp-guard`` guards
+  every test.
+
+Allowing: ``allow`` lists code prefixes, as in flake8 (``AMP102``, ``AMP10``). A P0
+event (training is broken) is only allowed by its full code, never by a prefix.
+
+torch is imported only when a guarded test runs, so the plugin costs nothing in
+suites that do not use it, and never breaks a run where torch is not installed.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import pytest
+
+FIXTURE = "amp_guard"
+_GUARD_KEY = pytest.StashKey[object]()
+_ALLOW_KEY = pytest.StashKey[List[str]]()
+_MARKER_DOC = (
+    "amp_guard(allow=[...], trace='auto', policy='record', select=None, ignore=None): "
+    "run the test inside an amp_runtime guard; it fails on any AMP event whose code is "
+    "not allowed (P0 codes must be listed in full)."
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("amp_guard", "AMP runtime guard (amp_runtime)")
+    group.addoption(
+        "--amp-guard", action="store_true", dest="amp_guard",
+        help="run every test inside an amp_runtime guard, as if it used the amp_guard fixture",
+    )
+    parser.addini(
+        "amp_guard_allow", type="args", default=[],
+        help="AMP codes (prefixes; P0 codes in full) a guarded test may produce without failing",
+    )
+    parser.addini(
+        "amp_guard_trace", default="auto",
+        help="per-op tracing of guarded tests: off, auto (default) or always",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", _MARKER_DOC)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: Sequence[pytest.Item]) -> None:
+    """Give the fixture to every test under --amp-guard, and to every marked test."""
+    everywhere = config.getoption("amp_guard")
+    for item in items:
+        names = getattr(item, "fixturenames", None)
+        if names is None or FIXTURE in names:
+            continue
+        if everywhere or item.get_closest_marker(FIXTURE) is not None:
+            names.append(FIXTURE)
+
+
+def _codes(values) -> List[str]:
+    """Codes from a list or a comma/space separated string, upper-cased."""
+    if isinstance(values, str):
+        values = [values]
+    codes = []
+    for value in values or ():
+        if not isinstance(value, str):
+            raise TypeError(f"amp_guard allow= takes AMP codes as strings, got {value!r}")
+        codes += [part.strip().upper() for part in value.replace(",", " ").split() if part.strip()]
+    return codes
+
+
+def is_allowed(code: str, severity: str, allow: Sequence[str]) -> bool:
+    if severity == "P0":
+        return code in allow
+    return any(code.startswith(prefix) for prefix in allow)
+
+
+@pytest.fixture
+def amp_guard(request: pytest.FixtureRequest):
+    """The test body runs inside ``amp_runtime.guard()``; events it does not allow fail it."""
+    marker = request.node.get_closest_marker(FIXTURE)
+    options = dict(marker.kwargs) if marker else {}
+    if marker and marker.args:
+        raise TypeError("@pytest.mark.amp_guard takes keyword arguments only (allow=, trace=, policy=, ...)")
+    allow = _codes(request.config.getini("amp_guard_allow")) + _codes(options.pop("allow", ()))
+    options.setdefault("trace", request.config.getini("amp_guard_trace") or "auto")
+    options.setdefault("policy", "record")
+    try:
+        import torch  # noqa: F401  (the guard needs it; say so plainly when it is missing)
+    except ImportError as err:
+        pytest.fail(f"the amp_guard fixture needs torch ({err}); install flake8-amp[runtime]", pytrace=False)
+    import amp_runtime
+
+    with amp_runtime.guard(**options) as guard:
+        request.node.stash[_GUARD_KEY] = guard
+        request.node.stash[_ALLOW_KEY] = allow
+        yield guard
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    guard = item.stash.get(_GUARD_KEY, None)
+    if report.when != "call" or guard is None:
+        return
+    events = guard.report
+    if not len(events):
+        return
+    allow = item.stash[_ALLOW_KEY]
+    failing = [e for e in events if not is_allowed(e.code, e.severity, allow)]
+    if not (failing and report.passed):
+        report.sections.append(("amp_guard events", events.summary(width=160)))
+        return
+    from amp_runtime.events import Report
+
+    allowed = f" (allowed: {', '.join(allow)})" if allow else ""
+    report.outcome = "failed"
+    report.longrepr = (
+        f"amp_guard: {len(failing)} AMP event(s) not allowed{allowed}\n"
+        f"{Report(failing).summary(width=160)}"
+    )
+

@@ -1,0 +1,104 @@
+"""The amp_guard pytest plugin, exercised through real pytest sessions (pytester)."""
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HEALTHY = """
+import torch
+
+def test_healthy_step(amp_guard):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    assert amp_guard.report.events == []
+"""
+
+
+def _overflow_suite(pytester, marker="", fixture="amp_guard"):
+    """One test whose fp16 multiply overflows (line 6 of test_overflow.py)."""
+    pytester.makepyfile(test_overflow=f"""
+import pytest
+import torch
+
+{marker}
+def test_overflow({fixture}):
+    y = torch.full((2, 4), 300.0, dtype=torch.float16) * 300.0  # 90000 > 65504: inf
+    assert y.dtype == torch.float16
+""")
+
+
+def _run(pytester, *args):
+    return pytester.runpytest("-p", "no:cacheprovider", *args)
+
+
+def test_an_overflowing_fp16_step_fails_with_the_event_table(pytester):
+    _overflow_suite(pytester, '@pytest.mark.amp_guard(trace="always")')
+    result = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*amp_guard: * AMP event(s) not allowed*",
+        "code*sev*count*step*op*module*source*message*",
+        "AMP101*P0*test_overflow.py:6*",
+    ])
+
+
+def test_a_healthy_step_passes(pytester):
+    pytester.makepyfile(test_healthy=HEALTHY)
+    _run(pytester).assert_outcomes(passed=1)
+
+
+def test_allow_lets_a_listed_code_pass_but_a_prefix_never_allows_p0(pytester):
+    _overflow_suite(pytester, '@pytest.mark.amp_guard(trace="always", allow=["AMP101", "AMP102"])')
+    _run(pytester).assert_outcomes(passed=1)
+    _overflow_suite(pytester, '@pytest.mark.amp_guard(trace="always", allow=["AMP1"])')
+    result = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*not allowed (allowed: AMP1)*", "AMP101*P0*"])
+
+
+def test_ini_options_allow_and_trace(pytester):
+    pytester.makeini("[pytest]\namp_guard_allow = AMP101 AMP102\namp_guard_trace = always\n")
+    _overflow_suite(pytester)
+    _run(pytester).assert_outcomes(passed=1)
+
+
+def test_the_flag_guards_every_test(pytester):
+    _overflow_suite(pytester, fixture="")
+    pytester.makepyfile(test_plain="def test_plain():\n    assert 1 + 1 == 2\n")
+    _run(pytester).assert_outcomes(passed=2)  # unguarded without the flag
+    pytester.makeini("[pytest]\namp_guard_trace = always\n")
+    result = _run(pytester, "--amp-guard")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_overflow.py::test_overflow*"])
+
+
+def test_a_marker_alone_guards_the_test(pytester):
+    _overflow_suite(pytester, '@pytest.mark.amp_guard(trace="always")', fixture="")
+    _run(pytester).assert_outcomes(failed=1)
+
+
+def test_help_documents_the_options_and_the_marker_is_registered(pytester):
+    _run(pytester, "--help").stdout.fnmatch_lines([
+        "*--amp-guard*",
+        "*amp_guard_allow*",
+        "*amp_guard_trace*",
+    ])
+    _run(pytester, "--markers").stdout.fnmatch_lines(["@pytest.mark.amp_guard(allow=*"])
+    pytester.makepyfile(test_strict="import pytest\n\n@pytest.mark.amp_guard\ndef test_x(): pass\n")
+    _run(pytester, "--strict-markers").assert_outcomes(passed=1)
+
+
+def test_without_torch_plain_suites_run_and_the_fixture_fails_clearly(pytester):
+    # conftest makes "import torch" fail, as on a lint-only machine
+    pytester.makeconftest("import sys\nsys.modules['torch'] = None\n")
+    pytester.makepyfile(
+        test_plain="def test_plain():\n    assert True\n",
+        test_uses=("def test_uses(amp_guard):\n    pass\n"),
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*the amp_guard fixture needs torch*install flake8-amp?runtime?"])
