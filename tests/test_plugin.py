@@ -1,0 +1,187 @@
+"""flake8-amp as users run it: registration, options, noqa, odd files, the skip path."""
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flake8_amp.plugin import AmpChecker
+
+BCE_IN_CUSTOM_REGION = textwrap.dedent(
+    """\
+    import torch.nn.functional as F
+    from mylib.amp import my_amp_ctx
+
+
+    def step(model, x, y):
+        with my_amp_ctx():
+            return F.binary_cross_entropy(model(x), y)
+    """
+)
+
+FOCAL_LOSS_OUTSIDE = textwrap.dedent(
+    """\
+    import torch
+    from mylib.losses import focal_loss
+
+
+    def step(model, x, y):
+        with torch.autocast("cuda"):
+            logits = model(x)
+        return focal_loss(logits, y)
+    """
+)
+
+ROLLOUT_CAST = textwrap.dedent(
+    """\
+    def rollout_policy(policy, env, optimizer):
+        policy.half()
+        loss = policy(env.reset())
+        loss.backward()
+    """
+)
+
+BCE_UNDER_AUTOCAST = textwrap.dedent(
+    """\
+    import torch
+    import torch.nn.functional as F
+
+
+    def step(model, x, y):
+        with torch.autocast("cuda"):
+            return F.binary_cross_entropy(model(x), y){noqa}
+    """
+)
+
+
+def codes(stdout: str) -> list:
+    return [line.split(": ", 1)[1].split()[0] for line in stdout.splitlines() if ": AMP" in line]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_version_lists_plugin(flake8):
+    result = flake8(["--version"])
+    assert result.returncode == 0
+    assert "flake8-amp" in result.stdout
+
+
+def test_finding_format_and_column(tmp_path, flake8):
+    path = write(tmp_path, "train.py", BCE_UNDER_AUTOCAST.format(noqa=""))
+    result = flake8(["--isolated", "--select=AMP", path.name], cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout.startswith("train.py:7:16: AMP003 binary_cross_entropy under autocast")
+    assert "binary_cross_entropy_with_logits" in result.stdout  # the fix hint
+
+
+@pytest.mark.parametrize("noqa, expected", [("  # noqa: AMP003", []), ("  # noqa: AMP001", ["AMP003"]), ("  # noqa", [])])
+def test_noqa(tmp_path, flake8, noqa, expected):
+    path = write(tmp_path, "train.py", BCE_UNDER_AUTOCAST.format(noqa=noqa))
+    result = flake8(["--isolated", "--select=AMP", path.name], cwd=tmp_path)
+    assert codes(result.stdout) == expected
+
+
+@pytest.mark.parametrize(
+    "option, value, source, code",
+    [
+        ("amp-autocast-functions", "mylib.amp.my_amp_ctx", BCE_IN_CUSTOM_REGION, "AMP003"),
+        ("amp-autocast-functions", "my_amp_ctx", BCE_IN_CUSTOM_REGION, "AMP003"),
+        ("amp-loss-functions", "mylib.losses.focal_loss", FOCAL_LOSS_OUTSIDE, "AMP002"),
+    ],
+)
+def test_options_enable_findings_on_command_line(tmp_path, flake8, option, value, source, code):
+    path = write(tmp_path, "train.py", source)
+    without = flake8(["--isolated", "--select=AMP", path.name], cwd=tmp_path)
+    with_option = flake8(["--isolated", "--select=AMP", f"--{option}={value}", path.name], cwd=tmp_path)
+    assert codes(without.stdout) == []
+    assert codes(with_option.stdout) == [code], with_option.stderr
+
+
+def test_inference_words_option_silences(tmp_path, flake8):
+    write(tmp_path, "agent.py", ROLLOUT_CAST)
+    before = flake8(["--isolated", "--select=AMP", "agent.py"], cwd=tmp_path)
+    after = flake8(["--isolated", "--select=AMP", "--amp-inference-words=Rollout", "agent.py"], cwd=tmp_path)
+    assert codes(before.stdout) == ["AMP001"]
+    assert codes(after.stdout) == []
+
+
+@pytest.mark.parametrize(
+    "config_name, section",
+    [("setup.cfg", "flake8"), ("tox.ini", "flake8"), (".flake8", "flake8")],
+)
+def test_options_from_config_files(tmp_path, flake8, config_name, section):
+    write(tmp_path, "train.py", BCE_IN_CUSTOM_REGION)
+    write(tmp_path, config_name, f"[{section}]\nselect = AMP\namp-autocast-functions =\n    mylib.amp.my_amp_ctx,\n    other_ctx\n")
+    result = flake8(["train.py"], cwd=tmp_path)
+    assert codes(result.stdout) == ["AMP003"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "argument",
+    ["--amp-autocast-functions=mylib..amp_ctx", "--amp-loss-functions=1focal", "--amp-inference-words=roll-out"],
+)
+def test_malformed_option_is_a_clean_error(tmp_path, flake8, argument):
+    write(tmp_path, "train.py", BCE_IN_CUSTOM_REGION)
+    result = flake8(["--isolated", "--select=AMP", argument, "train.py"], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout + result.stderr
+    option = argument.split("=")[0]
+    assert f"flake8-amp: {option} expects" in result.stdout
+
+
+def test_malformed_option_in_config_is_a_clean_error(tmp_path, flake8):
+    write(tmp_path, "train.py", BCE_IN_CUSTOM_REGION)
+    write(tmp_path, "setup.cfg", "[flake8]\namp-loss-functions = focal-loss\n")
+    result = flake8(["--select=AMP", "train.py"], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "flake8-amp: --amp-loss-functions expects dotted Python names; got 'focal-loss'" in result.stdout
+
+
+def test_syntax_error_is_only_e999(tmp_path, flake8):
+    write(tmp_path, "broken.py", "import torch\nwith torch.autocast('cuda'):\n    x = (\n")
+    result = flake8(["--isolated", "--select=AMP,E9", "broken.py"], cwd=tmp_path)
+    assert "Traceback" not in result.stdout + result.stderr
+    assert [line.split()[1] for line in result.stdout.splitlines()] == ["E999"]
+
+
+def test_latin1_file_with_coding_cookie(tmp_path, flake8):
+    source = "# -*- coding: latin-1 -*-\n# Auteur: José\n" + BCE_UNDER_AUTOCAST.format(noqa="")
+    (tmp_path / "latin.py").write_bytes(source.encode("latin-1"))
+    result = flake8(["--isolated", "--select=AMP", "latin.py"], cwd=tmp_path)
+    assert "Traceback" not in result.stderr
+    assert result.stdout.startswith("latin.py:9:16: AMP003")
+
+
+def test_undecodable_file_has_no_traceback(tmp_path, flake8):
+    (tmp_path / "bad.py").write_bytes(b"import torch\nx = '\xff\xfe autocast half'\n")
+    result = flake8(["--isolated", "--select=AMP,E9", "bad.py"], cwd=tmp_path)
+    assert "Traceback" not in result.stdout + result.stderr
+    assert codes(result.stdout) == []
+
+
+def test_files_without_trigger_words_are_not_analysed():
+    # A tree that cannot be built proves whether the analysis ran: with trigger words
+    # it fails (and is reported as AMP000), without them nothing is even attempted.
+    quiet = ["import os\n", "print(os.getcwd())\n"]
+    assert list(AmpChecker(tree=None, lines=quiet, filename="quiet.py").run()) == []
+    triggered = ["import torch\n", "x = torch.zeros(1).half()\n"]
+    (result,) = AmpChecker(tree=None, lines=triggered, filename="loud.py").run()
+    assert result[:2] == (1, 0)
+    assert result[2].startswith("AMP000 flake8-amp could not analyse this file: ")
+
+
+def test_analysis_failure_is_one_amp000_line_not_a_traceback():
+    # Python parses this 1000-term sum, but building astroid's tree recurses too deep.
+    # (Through the flake8 CLI, pyflakes already fails on such a file, so call the checker.)
+    deep = "import torch\nx = torch.zeros(1).half()\ny = " + " + ".join(["x"] * 1000) + "\n"
+    findings = list(AmpChecker(ast.parse(deep), deep.splitlines(True), "generated.py").run())
+    assert [message for _, _, message, _ in findings] == [
+        "AMP000 flake8-amp could not analyse this file: nesting too deep"
+    ]
