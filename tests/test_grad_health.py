@@ -1,4 +1,5 @@
 """Gradient health (AMP103-AMP106): fused statistics, their judgement, and guarded training runs."""
+import json
 import math
 
 import pytest
@@ -125,3 +126,139 @@ def test_judge_nonfinite_grad_hides_norm_findings():
 
 def test_layer_of():
     assert layer_of("blocks.0.fc.weight") == "blocks.0.fc" and layer_of("scale") == "scale"
+
+
+# -- guarded training runs (real torch, CPU) -------------------------------------------------
+
+import amp_runtime  # noqa: E402
+
+
+def mlp(depth, width, activation=torch.nn.Sigmoid, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), activation()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def fp16_scaled_steps(model, steps, lr=0.01, loss_factor=1.0, batch=32, init_scale=2.0 ** 16, hook=None):
+    """A standard CPU fp16 autocast + GradScaler loop; ``hook(step)`` may change things before each step."""
+    width = model[0].in_features
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    for step in range(steps):
+        if hook is not None:
+            hook(step, opt)
+        x = torch.randn(batch, width)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = out.float().pow(2).mean() * loss_factor
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler
+
+
+def test_deep_sigmoid_mlp_in_fp32_names_the_earliest_layers_as_vanishing():
+    model = mlp(depth=20, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp_runtime.guard(policy="record", model=model) as g:
+        for _ in range(3):
+            loss = model(torch.randn(32, 16)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    events = g.report.by_code("AMP105")
+    assert events and events[0].step == 0
+    layers = events[0].details["layers"]
+    # the gradient shrinks through every sigmoid: the vanished layers are the first ones, in order
+    assert layers[0] == "0" and layers == sorted(layers, key=int)
+    assert "19" not in layers and "40" not in layers
+    assert not g.report.by_code("AMP103") and not g.report.by_code("AMP104")
+
+
+def test_fp16_exactly_zero_layers_are_named_without_a_model_argument():
+    model = mlp(depth=2, width=16, activation=torch.nn.ReLU)
+    torch.nn.init.constant_(model[2].weight, 0.0)  # nothing flows back into layer 0
+    with amp_runtime.guard(policy="record") as g:
+        fp16_scaled_steps(model, steps=2)
+    (event,) = g.report.by_code("AMP105")
+    assert event.module == "0" and event.details["layers"] == ["0"] and event.step == 0
+
+
+def test_learning_rate_spike_reports_explosion_at_that_step_with_the_unscaled_norm(tmp_path):
+    model = mlp(depth=2, width=16, activation=torch.nn.ReLU)
+    spike_at = 6
+
+    def spike(step, opt):
+        for group in opt.param_groups:
+            group["lr"] = 50.0 if step == spike_at else 0.01
+
+    with amp_runtime.guard(policy="record", log_dir=tmp_path) as g:
+        # a small initial scale keeps the exploded fp16 gradients finite, so the step is not skipped
+        fp16_scaled_steps(model, steps=spike_at + 3, hook=spike, init_scale=16.0)
+    events = g.report.by_code("AMP104")
+    assert len(events) == 1, g.report.summary()
+    (event,) = events
+    assert event.step == spike_at + 1  # the weights the spike produced explode the next gradients
+    assert event.severity == "P0"
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert metrics[event.step]["loss_scale"] == 16.0 and not metrics[event.step]["skipped"]
+    assert event.details["total_norm"] == pytest.approx(metrics[event.step]["grad_norm"])
+    assert metrics[event.step]["grad_norm"] > 1000 and metrics[spike_at]["grad_norm"] < 10
+    assert not g.report.by_code("AMP103")
+
+
+def test_inf_in_backward_without_a_scaler_is_reported_at_that_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp_runtime.guard(policy="record") as g:
+        for step in range(4):
+            out = model(torch.randn(8, 4))
+            if step == 2:
+                out = out * torch.tensor(float("inf"))  # the gradient of the weights becomes inf/NaN
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    (event,) = g.report.by_code("AMP103")
+    assert event.step == 2 and event.severity == "P0"
+
+
+def test_healthy_fp16_scaled_run_has_no_gradient_or_scale_events(tmp_path):
+    model = mlp(depth=3, width=32, activation=torch.nn.GELU)
+    with amp_runtime.guard(policy="record", log_dir=tmp_path) as g:
+        scaler = fp16_scaled_steps(model, steps=100, lr=0.01)
+    assert g.step_index == 100
+    assert not [e for e in g.report if "AMP103" <= e.code <= "AMP109"], g.report.summary()
+    assert scaler.get_scale() >= 2.0 ** 16
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 100
+    record = json.loads(lines[-1])
+    assert set(record) == {"step", "loss", "loss_scale", "skipped", "grad_norm", "layers"}
+    assert record["loss_scale"] == scaler.get_scale() and record["skipped"] is False
+    assert set(record["layers"]["0.weight"]) == {"max", "norm", "zero_fraction", "underflow_fraction"}
+
+
+def test_gradient_accumulation_is_judged_once_per_step(tmp_path):
+    model = mlp(depth=2, width=8, activation=torch.nn.Tanh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    micro_losses = []
+    with amp_runtime.guard(policy="record", log_dir=tmp_path, thresholds=amp_runtime.Thresholds(grad_explosion=1e-3, grad_explosion_p0=1e9)) as g:
+        for step in range(3):
+            for micro in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(16, 8)).float().pow(2).mean() / 4
+                micro_losses.append(loss.item())
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert g.step_index == 3
+    # every step's gradient crosses the (lowered) explosion limit: one event per step, not per micro-batch
+    assert [e.step for e in g.report.by_code("AMP104")] == [0]  # reported when it starts, not repeated
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert metrics[0]["loss"] == pytest.approx(sum(micro_losses[:4]) / 4, rel=1e-3)

@@ -18,12 +18,17 @@ backward.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.amp.grad_scaler import OptState
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
+from amp_runtime.monitors import Monitor, OpHandler
+from amp_runtime.monitors.scaler import live_instances, scaler_call, watch_of
 from amp_runtime.thresholds import Thresholds
 
 #: A value whose magnitude is at most this rounds to zero in float16 (round-to-nearest-even).
@@ -188,3 +193,137 @@ def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], li
                     details={"parameter": g.name, "loss_scale": loss_scale, "zero_fraction": g.zero_fraction},
                 )))
     return findings
+
+
+class ParameterNames:
+    """Names parameters ``module.path.weight`` for reports.
+
+    From ``guard(model=...)`` when given; otherwise from the root modules alive when an unnamed parameter is
+    first met (one heap search per parameter at most, never per step); else ``param<i>[shape]``.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module]):
+        self._names: Dict[int, str] = {}
+        if model is not None:
+            self._add(model)
+
+    def _add(self, module: torch.nn.Module) -> None:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            self._names.setdefault(id(param), name)
+
+    def _search_modules(self) -> None:
+        modules = live_instances(torch.nn.Module)
+        children = {id(child) for module in modules for child in module.children()}
+        for module in modules:
+            if id(module) not in children:
+                self._add(module)
+
+    def names(self, params: Sequence[torch.Tensor]) -> List[str]:
+        if any(id(p) not in self._names for p in params):
+            self._search_modules()
+            for index, param in enumerate(params):
+                self._names.setdefault(id(param), f"param{index}{list(param.shape)}")
+        return [self._names[id(p)] for p in params]
+
+
+class GradHealth(Monitor):
+    """Samples the gradients where the optimizer consumes them and judges them once per step."""
+
+    codes = ("AMP103", "AMP104", "AMP105", "AMP106")
+
+    def __init__(self, guard):
+        super().__init__()
+        self.names = ParameterNames(guard.model)
+        self.pending: List[GradSample] = []
+        #: The scaler's found_inf flags of this step's samples: any nonzero means the step is skipped.
+        self.found_inf: List[torch.Tensor] = []
+        self.sampled_optimizers: set = set()
+        self._previous_keys: set = set()
+
+    def attach(self, guard):
+        super().attach(guard)
+        self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
+
+    def op_handlers(self):
+        return {torch._amp_foreach_non_finite_check_and_unscale_: OpHandler(after=self._unscaled)}
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def _sample(self, params: Sequence[torch.Tensor], scaled_by=None, loss_scale=None) -> None:
+        params = [p for p in params if p.grad is not None and not p.grad.is_sparse]
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for param in params:
+            by_device.setdefault(param.grad.device, []).append(param)
+        for device_params in by_device.values():
+            grads = [p.grad for p in device_params]
+            flush_factor = None
+            if loss_scale is not None:
+                flush_factor = torch.ones((), device=grads[0].device) if scaled_by is not None else loss_scale
+            with torch._C.DisableTorchFunction():
+                stats = gradient_stats(grads, flush_factor)
+            self.pending.append(GradSample(
+                names=self.names.names(device_params),
+                numels=[g.numel() for g in grads],
+                stats=stats,
+                scaled_by=scaled_by,
+                loss_scale=loss_scale,
+            ))
+
+    def _unscaled(self, func, args, kwargs, out):
+        """GradScaler just checked (and usually unscaled) one optimizer's gradients of one device and dtype."""
+        scaler, optimizer, still_scaled = scaler_call()
+        if scaler is None or optimizer is None:
+            return
+        grads = {id(g) for g in args[0]}
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None and id(p.grad) in grads]
+        self._sample(params, scaled_by=scaler._scale if still_scaled else None, loss_scale=scaler._scale)
+        self.found_inf.append(args[1])
+        self.sampled_optimizers.add(id(optimizer))
+
+    def _optimizer_step_starts(self, optimizer, args, kwargs):
+        if self.guard is None or self.guard.suspended or id(optimizer) in self.sampled_optimizers:
+            return
+        if threading.get_ident() != self.guard._thread:
+            return
+        scaled_by = None
+        watch = watch_of(self.guard)
+        for state in watch.scaled_pending() if watch else ():
+            if state.stage(optimizer) is OptState.READY:
+                scaled_by = state.scaler._scale  # stepping on scaled gradients (AMP006): judge them unscaled
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._sample(params, scaled_by=scaled_by, loss_scale=scaled_by)
+        self.sampled_optimizers.add(id(optimizer))
+
+    # -- judgement ---------------------------------------------------------------------
+
+    def on_step_end(self, step, record):
+        if not self.pending and self.guard.manual_steps and self.guard.model is not None:
+            self._sample(list(self.guard.model.parameters()))
+        samples, found_inf = self.pending, self.found_inf
+        self.pending, self.found_inf, self.sampled_optimizers = [], [], set()
+        record.setdefault("grad_norm", None)
+        if not samples:
+            return
+        if found_inf:
+            with torch._C.DisableTorchFunction():
+                skipped = bool(sum(flag.float().sum().item() for flag in found_inf))
+            if skipped:
+                return  # the scaler caught inf/NaN and skips the step: AMP109's business
+        layers, loss_scale = read_samples(samples)
+        findings = judge_gradients(layers, loss_scale, self.guard.thresholds)
+        keys = set()
+        for code, kwargs in findings:
+            key = (code, kwargs.get("severity"), kwargs.get("layer"), tuple(kwargs.get("details", {}).get("layers", ())))
+            keys.add(key)
+            if key not in self._previous_keys:
+                self.guard.emit(code, op="optimizer.step", **kwargs)
+        self._previous_keys = keys
+        finite = all(math.isfinite(g.norm) for g in layers)
+        record["grad_norm"] = math.sqrt(sum(g.norm ** 2 for g in layers)) if finite else math.nan
+        if step % self.guard.thresholds.metrics_every == 0:
+            record["layers"] = {g.name: g.to_json() for g in layers}
+
+
+def monitors(guard):
+    return [GradHealth(guard)]

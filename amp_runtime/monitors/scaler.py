@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 import weakref
 from collections import deque
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 
+from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.thresholds import Thresholds
 
 #: Frames searched upwards from a scaler kernel for the GradScaler method that called it.
@@ -95,27 +97,54 @@ class LossScaleHistory:
         return [("AMP109", dict(skipped=count, window=window, details={"skipped": count, "window": window}))]
 
 
-def scaler_in_frames() -> Optional[GradScaler]:
-    """The GradScaler whose method is running a scaler kernel right now (looked up from the handler)."""
+def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer], bool]:
+    """From inside a scaler kernel's handler: the GradScaler running it, the optimizer whose gradients it
+    processes, and whether those gradients stay scaled (``_check_inf_per_device`` only checks them)."""
+    scaler = optimizer = None
+    still_scaled = False
     frame = sys._getframe(1)
     for _ in range(_FRAMES_TO_SCALER + 4):
         if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, GradScaler):
-            return candidate
+            break
+        local = frame.f_locals
+        if frame.f_code.co_name == "_check_inf_per_device":
+            still_scaled = True
+        if optimizer is None and isinstance(local.get("optimizer"), torch.optim.Optimizer):
+            optimizer = local["optimizer"]
+        if isinstance(local.get("self"), GradScaler):
+            scaler = local["self"]
+            if frame.f_code.co_name != "_unscale_grads_":  # its caller tells whether it unscales
+                break
         frame = frame.f_back
-    return None
+    return scaler, optimizer, still_scaled
+
+
+def inside_scaler_step() -> bool:
+    """Whether the running code was called by ``GradScaler.step`` (checked from an optimizer hook)."""
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_TO_SCALER + 4):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in ("step", "_maybe_opt_step") and isinstance(frame.f_locals.get("self"), GradScaler):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def scaler_owning(scale: torch.Tensor) -> Optional[GradScaler]:
     """The live GradScaler whose ``_scale`` is ``scale`` (a heap search: call rarely)."""
     pointer = scale.data_ptr()
-    for obj in gc.get_objects():
-        if isinstance(obj, GradScaler) and getattr(obj, "_scale", None) is not None:
-            if obj._scale.data_ptr() == pointer:
-                return obj
+    for obj in live_instances(GradScaler):
+        if getattr(obj, "_scale", None) is not None and obj._scale.data_ptr() == pointer:
+            return obj
     return None
+
+
+def live_instances(cls) -> list:
+    """Every live object of ``cls`` (a full heap walk, for rare one-off look-ups)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on some lazily deprecated module attributes warns
+        return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
 
 
 def scale_factor_of(root: torch.Tensor) -> Optional[torch.Tensor]:
@@ -130,6 +159,18 @@ def scale_factor_of(root: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
+def backward_root(func, args, kwargs) -> Optional[torch.Tensor]:
+    """The tensor a ``Tensor.backward`` / ``torch.autograd.backward`` call starts from (the first one)."""
+    root = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
+    if isinstance(root, (list, tuple)):
+        root = root[0] if root else None
+    return root if isinstance(root, torch.Tensor) else None
+
+
+#: The torch functions a backward pass starts from.
+BACKWARD_FUNCTIONS = (torch.Tensor.backward, torch.autograd.backward)
+
+
 class ScalerState:
     """What the guard knows about one GradScaler during a run."""
 
@@ -138,20 +179,124 @@ class ScalerState:
         self.history = LossScaleHistory(float(scaler._init_scale), limits)
         #: A backward started from a loss this scaler scaled, and no update() followed yet.
         self.scaled_backward = False
-        #: The optimizers this scaler unscaled (weak, by id).
-        self.optimizers = weakref.WeakSet()
+        #: The optimizers this scaler unscaled so far.
+        self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
     @property
     def scaler(self) -> Optional[GradScaler]:
         return self.ref()
 
     def stage(self, optimizer) -> OptState:
-        """The scaler's stage for ``optimizer`` without creating an entry in its defaultdict."""
+        """The scaler's stage for ``optimizer``, without adding an entry to its defaultdict."""
         scaler = self.scaler
-        states = getattr(scaler, "_per_optimizer_states", None) or {}
-        state = states.get(id(optimizer)) if scaler is not None else None
+        state = None if scaler is None else scaler._per_optimizer_states.get(id(optimizer))
         return state["stage"] if state else OptState.READY
 
-    def scale_tensor(self) -> Optional[torch.Tensor]:
+    def stages(self) -> List[OptState]:
         scaler = self.scaler
-        return None if scaler is None else scaler._scale
+        return [] if scaler is None else [state["stage"] for state in scaler._per_optimizer_states.values()]
+
+
+class ScalerWatch(Monitor):
+    """Finds the GradScalers a loop uses, follows their state, and judges the loss scale at each update.
+
+    Always attached (the scaler rules and step detection rely on it); its own findings are AMP107-AMP109.
+    """
+
+    codes = ()
+
+    def __init__(self):
+        super().__init__()
+        self.states: Dict[int, ScalerState] = {}
+        self._searched: set = set()
+        self._scale_before: Optional[torch.Tensor] = None
+        self._step_record: Dict[str, object] = {}
+        self._last_root = None
+
+    # -- lookups for the other monitors ------------------------------------------------
+
+    def state_of(self, scaler: GradScaler) -> ScalerState:
+        state = self.states.get(id(scaler))
+        if state is None or state.scaler is not scaler:
+            state = self.states[id(scaler)] = ScalerState(scaler, self.guard.thresholds)
+        return state
+
+    def scaler_of_loss(self, root: torch.Tensor) -> Optional[ScalerState]:
+        """The scaler that scaled the tensor a backward starts from, or None (memoized per backward)."""
+        if self._last_root is not None and self._last_root[0] is root:
+            return self._last_root[1]
+        found = None
+        factor = scale_factor_of(root)
+        if factor is not None:
+            pointer = factor.data_ptr()
+            found = next((s for s in self.states.values()
+                          if s.scaler is not None and s.scaler._scale is not None
+                          and s.scaler._scale.data_ptr() == pointer), None)
+            if found is None and pointer not in self._searched:
+                self._searched.add(pointer)
+                owner = scaler_owning(factor)
+                found = None if owner is None else self.state_of(owner)
+        self._last_root = (root, found)
+        return found
+
+    def scaled_pending(self) -> List[ScalerState]:
+        """Scalers that scaled a backward in this step and have not been updated since."""
+        return [s for s in self.states.values() if s.scaled_backward and s.scaler is not None]
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def op_handlers(self):
+        handlers = {
+            torch._amp_foreach_non_finite_check_and_unscale_: OpHandler(after=self._unscaled),
+            torch._amp_update_scale_: OpHandler(before=self._before_update, after=self._updated),
+        }
+        for func in BACKWARD_FUNCTIONS:
+            handlers[func] = OpHandler(before=self._backward_starts)
+        return handlers
+
+    def _backward_starts(self, func, args, kwargs):
+        root = backward_root(func, args, kwargs)
+        state = None if root is None else self.scaler_of_loss(root)
+        if state is not None:
+            state.scaled_backward = True
+
+    def _unscaled(self, func, args, kwargs, out):
+        scaler, optimizer, _ = scaler_call()
+        if scaler is not None and optimizer is not None:
+            self.state_of(scaler).optimizers.add(optimizer)
+
+    def _before_update(self, func, args, kwargs):
+        self._scale_before = args[0].detach().clone()
+
+    def _updated(self, func, args, kwargs, out):
+        scale, found_inf = args[0], args[2]
+        scaler, _, _ = scaler_call()
+        if scaler is None:
+            return
+        state = self.state_of(scaler)
+        state.scaled_backward = False
+        used, new, inf = torch.stack([self._scale_before.float(), scale.float(), found_inf.float().to(scale.device)]).tolist()
+        skipped = inf > 0
+        self._step_record = {"loss_scale": used, "skipped": skipped}
+        for code, kwargs_ in state.history.observe(new, skipped):
+            self.guard.emit(code, op="GradScaler.update", **kwargs_)
+
+    def on_step_end(self, step, record):
+        record.setdefault("loss_scale", None)
+        record.setdefault("skipped", False)
+        record.update(self._step_record)
+        self._step_record = {}
+
+    def detach(self):
+        super().detach()
+        self.states.clear()
+        self._last_root = None
+
+
+def monitors(guard):
+    return [ScalerWatch()]
+
+
+def watch_of(guard) -> Optional[ScalerWatch]:
+    """The guard's ScalerWatch (attached by every guard)."""
+    return next((m for m in guard.monitors if isinstance(m, ScalerWatch)), None)

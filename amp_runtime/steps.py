@@ -1,0 +1,85 @@
+"""Automatic step detection: where one training step ends.
+
+* A loop with a GradScaler: at ``scaler.update()`` (seen as ``torch._amp_update_scale_`` through the
+  guard's mode). Skipped steps count: the update runs whether or not the optimizer stepped.
+* Otherwise at ``optimizer.step()`` (global optimizer step post-hook). With several optimizers the step
+  ends after the last one of the cycle: the optimizer seen stepping for the first time most recently
+  (so in the very first iteration each optimizer ends a step of its own), or earlier when an optimizer
+  steps a second time before the cycle completed.
+* ``guard.step()`` for loops with neither; once it is called, automatic detection stays off.
+
+Gradient accumulation needs nothing special: micro-batches only run backward, and steps end where the
+optimizer or the scaler acts.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from amp_runtime.monitors import Monitor, OpHandler
+from amp_runtime.monitors.scaler import inside_scaler_step, watch_of
+
+
+class StepDetector(Monitor):
+    """Ends the guard's steps at scaler updates or optimizer steps."""
+
+    codes = ()
+
+    def __init__(self):
+        super().__init__()
+        self._last_in_cycle: Optional[weakref.ref] = None
+        self._known: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._stepped: set = set()
+
+    def attach(self, guard):
+        super().attach(guard)
+        self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
+        self.keep(register_optimizer_step_post_hook(self._optimizer_step_ends))
+
+    def op_handlers(self):
+        return {torch._amp_update_scale_: OpHandler(after=self._scaler_updated)}
+
+    def _automatic(self) -> bool:
+        guard = self.guard
+        return not guard.manual_steps and not guard.suspended and threading.get_ident() == guard._thread
+
+    def _end_step(self) -> None:
+        self._stepped.clear()
+        self.guard._end_step()
+
+    def _scaler_updated(self, func, args, kwargs, out):
+        if self._automatic():
+            self._end_step()
+
+    def _optimizer_step_starts(self, optimizer, args, kwargs):
+        if not self._automatic() or self._through_scaler(optimizer):
+            return
+        if id(optimizer) in self._stepped:  # a new iteration began before the cycle completed
+            self._end_step()
+        if optimizer not in self._known:
+            self._known.add(optimizer)
+            self._last_in_cycle = weakref.ref(optimizer)
+
+    def _optimizer_step_ends(self, optimizer, args, kwargs):
+        if not self._automatic() or self._through_scaler(optimizer):
+            return
+        self._stepped.add(id(optimizer))
+        if self._last_in_cycle is not None and self._last_in_cycle() is optimizer:
+            self._end_step()
+
+    def _through_scaler(self, optimizer) -> bool:
+        """Whether a GradScaler is stepping this optimizer (its update() will end the step)."""
+        watch = watch_of(self.guard)
+        unscaled = watch is not None and any(
+            state.stage(optimizer) is OptState.UNSCALED for state in watch.states.values()
+        )
+        return unscaled or inside_scaler_step()  # optimizers that unscale themselves stay READY
+
+
+def monitors(guard):
+    return [StepDetector()]
