@@ -9,6 +9,9 @@ from flake8_amp.rules.amp003 import BceUnderAutocast
 from flake8_amp.rules.amp004 import LowPrecisionReduce
 from flake8_amp.rules.amp005 import ClipBeforeUnscale
 from flake8_amp.rules.amp006 import StepBypassesScaler
+from flake8_amp.rules.amp007 import Fp16OverflowLiteral
+from flake8_amp.rules.amp008 import BackwardUnderAutocast
+from flake8_amp.rules.amp009 import DeprecatedAmpApi
 
 RULES = [
     ManualCast,
@@ -17,4 +20,7 @@ RULES = [
     LowPrecisionReduce,
     ClipBeforeUnscale,
     StepBypassesScaler,
+    Fp16OverflowLiteral,
+    BackwardUnderAutocast,
+    DeprecatedAmpApi,
 ]

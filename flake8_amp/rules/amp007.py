@@ -1,0 +1,193 @@
+"""AMP007 fp16-overflow-literal: a fill beyond +-65504 on a tensor that can be fp16.
+
+The fill is judged by the tensor it lands on: known fp16 (or fp16/bf16) is a finding;
+known fp32, bf16 or integer is fine; unknown is a finding inside an autocast region
+(not bf16) and in model code (methods of ``nn.Module`` classes and the functions of a
+module that defines them), where the tensor is whatever dtype the caller runs in.
+Literals are followed through names (``NEG_INF = -1e9``, ``self.mask_value``); a
+dtype-conditional value (``-1e9 if x.dtype == torch.float32 else -1e4``) is fine.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+from astroid import nodes
+
+from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
+from flake8_amp.analysis.names import is_self, last_part
+from flake8_amp.analysis.regions import BF16 as REGION_BF16
+from flake8_amp.analysis.scaler import method_call
+from flake8_amp.catalog import FP16_MAX
+from flake8_amp.engine import Check
+
+#: Tensor methods that fill: ``(position, keyword)`` of the fill value.
+FILL_METHODS = {
+    "masked_fill": (1, "value"),
+    "masked_fill_": (1, "value"),
+    "index_fill": (2, "value"),
+    "index_fill_": (2, "value"),
+    "fill_": (0, "value"),
+    "new_full": (1, "fill_value"),
+}
+_MAX_DEPTH = 6
+_MAX_EXPONENT = 1024
+
+
+def numeric_constant(expr: Optional[nodes.NodeNG], names, _depth: int = 0) -> Optional[float]:
+    """The number ``expr`` always evaluates to: literals, ``-1e9``, ``-2 ** 32 + 1``, and
+    names or ``self`` attributes bound only to such numbers; None otherwise."""
+    if expr is None or _depth > _MAX_DEPTH:
+        return None
+    if isinstance(expr, nodes.Const):
+        value = expr.value
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(expr, nodes.UnaryOp) and expr.op in ("-", "+"):
+        operand = numeric_constant(expr.operand, names, _depth + 1)
+        return None if operand is None else (-operand if expr.op == "-" else operand)
+    if isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Name) and expr.func.name == "float":
+        return _float_call(expr, names, _depth)
+    if isinstance(expr, nodes.BinOp):
+        return _fold(expr.op, numeric_constant(expr.left, names, _depth + 1), numeric_constant(expr.right, names, _depth + 1))
+    if isinstance(expr, nodes.Name):
+        values = names.assigned_values(expr)
+    elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+        values = names.self_attribute_values(expr)
+    else:
+        return None
+    found = {numeric_constant(value, names, _depth + 1) for value in values or ()}
+    return found.pop() if len(found) == 1 else None
+
+
+def _float_call(call: nodes.Call, names, depth: int) -> Optional[float]:
+    """``float(-1e9)`` or ``float("-1e9")`` (``float("-inf")`` is not finite: callers skip it)."""
+    if len(call.args) != 1 or call.keywords or names.bindings(call.func):
+        return None  # not the builtin, or not one argument
+    arg = call.args[0]
+    if isinstance(arg, nodes.Const) and isinstance(arg.value, str):
+        try:
+            return float(arg.value)
+        except ValueError:
+            return None
+    return numeric_constant(arg, names, depth + 1)
+
+
+def _fold(op: str, left: Optional[float], right: Optional[float]) -> Optional[float]:
+    if left is None or right is None:
+        return None
+    try:
+        if op == "+":
+            return left + right
+        if op == "-":
+            return left - right
+        if op == "*":
+            return left * right
+        if op == "/":
+            return left / right
+        if op == "**" and abs(right) <= _MAX_EXPONENT:
+            return float(left**right)
+    except (ArithmeticError, TypeError):
+        return None
+    return None
+
+
+class Fp16OverflowLiteral(Check):
+    """fp16 cannot hold the value: the fill raises, or becomes inf and softmax turns NaN."""
+
+    code = "AMP007"
+    triggers = ("fill", "full", "where", "] =")
+
+    def visit_call(self, node: nodes.Call) -> None:
+        fill = self._fill(node)
+        if fill is None:
+            return
+        op, target, value_node, dtype_node = fill
+        value = numeric_constant(value_node, self.context.names)
+        if value is None or not math.isfinite(value) or abs(value) <= FP16_MAX:
+            return
+        if self._can_be_fp16(node, target, dtype_node):
+            self.report(node, value=f"{value:g}", op=op)
+
+    def visit_assign(self, node: nodes.Assign) -> None:
+        value = numeric_constant(node.value, self.context.names)
+        if value is None or not math.isfinite(value) or abs(value) <= FP16_MAX:
+            return
+        for target in node.targets:
+            if isinstance(target, nodes.Subscript) and self._can_be_fp16(node, target.value, None):
+                self.report(node, value=f"{value:g}", op="an indexed assignment")
+                return
+
+    def _fill(self, node: nodes.Call) -> Optional[Tuple[str, Optional[nodes.NodeNG], Optional[nodes.NodeNG], Optional[nodes.NodeNG]]]:
+        """``(op, tensor filled, fill value, dtype=)`` of a fill call; None for other calls."""
+        callee = self.context.names.callee(node)
+        qualname = callee.qualname if callee is not None and not callee.instance else None
+        dtype = next((kw.value for kw in node.keywords or () if kw.arg == "dtype"), None)
+        if qualname is None:
+            method, receiver = method_call(node)
+            if method not in FILL_METHODS:
+                return None
+            position, keyword = FILL_METHODS[method]
+            return method, receiver, _argument(node, position, keyword), dtype
+        if qualname == "torch.full":
+            return "torch.full", None, _argument(node, 1, "fill_value"), dtype
+        if qualname == "torch.full_like":
+            return "torch.full_like", _argument(node, 0, "input"), _argument(node, 1, "fill_value"), dtype
+        if qualname == "torch.masked_fill":
+            return "torch.masked_fill", _argument(node, 0, "input"), _argument(node, 2, "value"), dtype
+        if qualname == "torch.where" and len(node.args) == 3:
+            branches = node.args[1:]
+            for value, other in (branches, reversed(branches)):
+                if numeric_constant(value, self.context.names) is not None:
+                    return "torch.where", other, value, None
+        return None
+
+    def _can_be_fp16(self, node: nodes.NodeNG, target: Optional[nodes.NodeNG], dtype_node: Optional[nodes.NodeNG]) -> bool:
+        dtypes = self.context.dtypes
+        if dtype_node is not None:
+            kind = dtypes.constant(dtype_node)
+            if kind is None and isinstance(dtype_node, nodes.Attribute) and dtype_node.attrname == "dtype":
+                kind = dtypes.of(dtype_node.expr)
+        elif target is None:
+            kind = FP32  # ``torch.full`` without ``dtype=`` uses the default dtype
+        else:
+            kind = dtypes.of(target)
+        if kind in (FP16, LOW):
+            return True
+        if kind in (FP32, BF16, INT):
+            return False
+        region = self.context.regions.autocast_at(node)
+        if region is not None:
+            return region.dtype != REGION_BF16
+        return _in_model_code(node)
+
+
+def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.NodeNG]:
+    for kw in call.keywords or ():
+        if kw.arg == keyword:
+            return kw.value
+    if position < len(call.args) and not isinstance(call.args[position], nodes.Starred):
+        return call.args[position]
+    return None
+
+
+def _in_model_code(node: nodes.NodeNG) -> bool:
+    """In a method of a model class, or in a function of a module that defines one."""
+    parent = node.parent
+    in_function = False
+    while parent is not None:
+        if isinstance(parent, nodes.ClassDef):
+            return _is_model_class(parent)
+        if isinstance(parent, nodes.FunctionDef):
+            in_function = True
+        parent = parent.parent
+    module = node.root()
+    return in_function and any(
+        _is_model_class(statement) for statement in module.body if isinstance(statement, nodes.ClassDef)
+    )
+
+
+def _is_model_class(classdef: nodes.ClassDef) -> bool:
+    """Defines ``forward`` or derives from a ``torch.nn`` class / a ``*Module`` base."""
+    if "forward" in classdef.locals:
+        return True
+    return any(last_part(base.as_string()).endswith("Module") or base.as_string().startswith(("nn.", "torch.nn.")) for base in classdef.bases)

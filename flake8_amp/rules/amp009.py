@@ -1,0 +1,121 @@
+"""AMP009 deprecated-amp-api: ``torch.cuda.amp`` / ``torch.cpu.amp`` spellings of ``torch.amp``.
+
+Every use is reported where it is spelled (through imports and module aliases, not
+through variables, so ``ac = torch.cuda.amp.autocast; ac()`` is one finding). Code that
+picks the API by torch version stays silent: a ``try`` that also tries ``torch.amp``
+(``except (AttributeError, ImportError, TypeError)``), either arm of an ``if``/conditional
+expression that tests the version (or ``hasattr``) or offers ``torch.amp`` in its other
+arm, and code after ``if <version test>: return <modern>``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+from astroid import nodes
+
+from flake8_amp.engine import Check
+
+REPLACEMENTS = {
+    "torch.cuda.amp.autocast": 'torch.amp.autocast("cuda", ...)',
+    "torch.cpu.amp.autocast": 'torch.amp.autocast("cpu", ...)',
+    "torch.cuda.amp.GradScaler": 'torch.amp.GradScaler("cuda", ...)',
+    "torch.cpu.amp.GradScaler": 'torch.amp.GradScaler("cpu", ...)',
+    "torch.cuda.amp.custom_fwd": 'torch.amp.custom_fwd(device_type="cuda")',
+    "torch.cuda.amp.custom_bwd": 'torch.amp.custom_bwd(device_type="cuda")',
+}
+#: Exceptions a version fallback catches.
+FALLBACK_EXCEPTIONS = frozenset({"AttributeError", "ImportError", "ModuleNotFoundError", "TypeError", "Exception"})
+VERSION_TEST = re.compile(r"version|hasattr|getattr|torch_(ge|gt|le|lt)|_(ge|gt|le|lt)_\d|is_torch_", re.IGNORECASE)
+
+
+class DeprecatedAmpApi(Check):
+    """The device-specific AMP namespaces are deprecated since PyTorch 2.4."""
+
+    code = "AMP009"
+    triggers = ("cuda.amp", "cpu.amp", "from torch.cuda import amp", "from torch.cpu import amp")
+
+    def visit_attribute(self, node: nodes.Attribute) -> None:
+        self._check(node)
+
+    def visit_name(self, node: nodes.Name) -> None:
+        # A name counts only when imported: a variable bound to the API is reported where bound.
+        bindings = self.context.names.bindings(node)
+        if bindings and all(isinstance(b, (nodes.Import, nodes.ImportFrom)) for b in bindings):
+            self._check(node)
+
+    def _check(self, node: nodes.NodeNG) -> None:
+        old = self.context.names.qualname(node)
+        if old in REPLACEMENTS and not self._version_gated(node):
+            self.report(node, old=old, new=REPLACEMENTS[old])
+
+    def _version_gated(self, node: nodes.NodeNG) -> bool:
+        child, parent = node, node.parent
+        while parent is not None:
+            if isinstance(parent, (nodes.Try, nodes.TryStar)) and _catches_fallback(parent):
+                if self._mentions_modern_api(parent):
+                    return True
+            elif isinstance(parent, (nodes.If, nodes.IfExp)) and child is not parent.test:
+                if _is_version_test(parent.test) or self._other_arm_is_modern(parent, child):
+                    return True
+            if child.is_statement and self._after_version_return(child):
+                return True
+            child, parent = parent, parent.parent
+        return False
+
+    def _other_arm_is_modern(self, branch: nodes.NodeNG, child: nodes.NodeNG) -> bool:
+        arms = (branch.body, branch.orelse)
+        if isinstance(branch, nodes.IfExp):
+            other = arms[1] if child is arms[0] else arms[0]
+            return self._mentions_modern_api(other)
+        other = arms[1] if child in arms[0] else arms[0]
+        return any(self._mentions_modern_api(statement) for statement in other)
+
+    def _after_version_return(self, statement: nodes.NodeNG) -> bool:
+        """``statement`` follows ``if <version test>: ... return`` in the same block."""
+        sibling = statement.previous_sibling()
+        while sibling is not None:
+            if isinstance(sibling, nodes.If) and _is_version_test(sibling.test) and sibling.body:
+                if isinstance(sibling.body[-1], (nodes.Return, nodes.Raise)):
+                    return True
+            sibling = sibling.previous_sibling()
+        return False
+
+    def _mentions_modern_api(self, node: nodes.NodeNG) -> bool:
+        for sub in _self_and_descendants(node):
+            if isinstance(sub, nodes.ImportFrom) and (sub.modname or "").startswith("torch.amp"):
+                return True
+            if isinstance(sub, (nodes.Name, nodes.Attribute)):
+                qualname: Optional[str] = self.context.names.qualname(sub)
+                if qualname is not None and (qualname.startswith("torch.amp.") or qualname == "torch.autocast"):
+                    return True
+        return False
+
+
+def _catches_fallback(statement: nodes.NodeNG) -> bool:
+    for handler in statement.handlers:
+        if handler.type is None:
+            return True
+        if any(name in FALLBACK_EXCEPTIONS for name in _exception_names(handler.type)):
+            return True
+    return False
+
+
+def _exception_names(expr: nodes.NodeNG) -> Iterable[str]:
+    for sub in _self_and_descendants(expr):
+        if isinstance(sub, nodes.Name):
+            yield sub.name
+        elif isinstance(sub, nodes.Attribute):
+            yield sub.attrname
+
+
+def _is_version_test(test: nodes.NodeNG) -> bool:
+    return bool(VERSION_TEST.search(test.as_string()))
+
+
+def _self_and_descendants(node: nodes.NodeNG) -> Iterable[nodes.NodeNG]:
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(current.get_children())

@@ -1,0 +1,195 @@
+"""AMP007 fp16-overflow-literal: fills beyond +-65504 on tensors that can be fp16."""
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+NEG_INF = -1e9
+SAFE_NEG = -1e4
+
+
+# ---------------------------------------------------------------- positives
+
+
+def attention(query, key, value, mask=None):
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(query.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)  # AMP007
+    return torch.matmul(scores.softmax(dim=-1), value)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1)
+        scores.masked_fill_(~mask, -1e8)  # AMP007
+        return scores.softmax(-1) @ v
+
+
+
+class AttributeConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mask_value = -1e9
+
+    def forward(self, scores, mask):
+        return scores.masked_fill(mask, self.mask_value)  # AMP007
+
+
+def with_float_call(scores, mask):
+    return scores.masked_fill(mask == 0, float(-1e9))  # AMP007
+
+
+def fill_under_autocast(model, tokens, pad_mask):
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = model(tokens)
+        logits = logits.masked_fill(pad_mask, -1e9)  # AMP007
+    return logits
+
+
+def with_module_constant(scores, mask):
+    return scores.masked_fill(mask, NEG_INF)  # AMP007
+
+
+def with_local_constant(scores, mask):
+    big_negative = -1e10
+    return scores.masked_fill(mask, big_negative)  # AMP007
+
+
+def with_where(scores, mask):
+    return torch.where(mask, scores, -1e9)  # AMP007
+
+
+def with_subscript(scores, mask):
+    scores[mask] = -1e9  # AMP007
+    return scores
+
+
+def with_fill(attn_bias):
+    attn_bias.fill_(-1e9)  # AMP007
+    return attn_bias
+
+
+def with_full_like(scores):
+    return torch.full_like(scores, -1e9)  # AMP007
+
+
+def with_new_full(scores):
+    return scores.new_full(scores.shape, -1e9)  # AMP007
+
+
+def with_keyword_value(scores, mask):
+    return scores.masked_fill(mask=mask, value=-1e9)  # AMP007
+
+
+def with_power_literal(scores, mask):
+    return scores.masked_fill(mask, -2 ** 32 + 1)  # AMP007
+
+
+def with_positive_overflow(logits, mask):
+    return logits.masked_fill(mask, 1e5)  # AMP007
+
+
+def fill_known_fp16(n, mask):
+    buf = torch.zeros(n, dtype=torch.float16)
+    buf.masked_fill_(mask, -1e9)  # AMP007
+    return buf
+
+
+# ---------------------------------------------------------------- negatives
+
+
+class SafeAttention(nn.Module):
+    def forward(self, q, k, mask):
+        scores = q @ k.transpose(-2, -1)
+        return scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+
+def python_scalars(history):
+    best_val_loss = 1e9
+    for loss in history:
+        best_val_loss = min(best_val_loss, loss)
+    return best_val_loss
+
+
+def neg_max(sim, mask):
+    max_neg_value = -torch.finfo(sim.dtype).max
+    return sim.masked_fill(~mask, max_neg_value)
+
+
+def half_of_max(sim, mask):
+    return sim.masked_fill(~mask, -torch.finfo(sim.dtype).max / 2)
+
+
+def in_range_literal(scores, mask):
+    return scores.masked_fill(mask == 0, -1e4)
+
+
+def in_range_float(scores, mask):
+    return scores.masked_fill(mask == 0, -10000.0)
+
+
+def module_safe_constant(scores, mask):
+    return scores.masked_fill(mask, SAFE_NEG)
+
+
+def float_inf(scores, mask):
+    return scores.masked_fill(mask, float("-inf"))
+
+
+def math_inf(scores, mask):
+    return scores.masked_fill(mask, -math.inf)
+
+
+def dtype_conditional(x, mask):
+    return x.masked_fill(mask, -1e8 if x.dtype == torch.float32 else -1e4)
+
+
+def dtype_conditional_variable(scores, mask):
+    fill = -1e9 if scores.dtype == torch.float32 else -1e4
+    return scores.masked_fill(mask, fill)
+
+
+def explicit_fp32(scores, mask):
+    return scores.float().masked_fill(mask, -1e9)
+
+
+def converted_fp32(scores, mask):
+    scores = scores.to(torch.float32)
+    scores[mask] = -1e9
+    return scores
+
+
+def known_bf16(n, mask):
+    buf = torch.zeros(n, dtype=torch.bfloat16)
+    return buf.masked_fill(mask, -1e9)
+
+
+def full_with_default_dtype(n):
+    return torch.full((n, n), -1e9)
+
+
+def full_like_fp32(scores):
+    return torch.full_like(scores, -1e9, dtype=torch.float32)
+
+
+def where_with_finfo(scores, mask):
+    return torch.where(mask, scores, torch.finfo(scores.dtype).min)
+
+
+def clamp_is_not_a_fill(scores):
+    return scores.clamp(min=-1e9, max=1e9)
+
+
+def numpy_arrays(mask):
+    arr = np.full(mask.shape, -1e9)
+    return np.where(mask, arr, -1e9)
+
+
+def disabled_island(scores, mask):
+    with torch.autocast("cuda", enabled=False):
+        return scores.float().masked_fill(mask, -1e9)

@@ -1,0 +1,233 @@
+"""AMP008 backward-under-autocast: backward() inside an enabled autocast region."""
+import contextlib
+import functools
+
+import torch
+from torch import autocast
+from torch.amp import autocast as amp_autocast
+
+scaler = torch.amp.GradScaler("cuda")
+device_type = "cuda" if torch.cuda.is_available() else "cpu"
+ctx = contextlib.nullcontext() if device_type == "cpu" else torch.amp.autocast(device_type=device_type)
+autocast_fp16 = functools.partial(torch.autocast, device_type="cuda")
+
+
+# ---------------------------------------------------------------- positives
+
+
+def backward_in_block(model, batch, optimizer):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        loss.backward()  # AMP008
+    optimizer.step()
+
+
+def scaled_backward_in_block(model, batch, optimizer):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        scaler.scale(loss).backward()  # AMP008
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def autograd_backward_in_block(model, batch):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        torch.autograd.backward(loss)  # AMP008
+
+
+def amp_namespace(model, batch):
+    with torch.amp.autocast("cuda"):
+        loss = model(batch)
+        loss.backward()  # AMP008
+
+
+def imported_autocast(model, batch):
+    with autocast(device_type="cuda"):
+        out = model(batch)
+        out.mean().backward()  # AMP008
+
+
+def renamed_autocast(model, batch):
+    with amp_autocast("cuda"):
+        loss = model(batch)
+        (loss / 4).backward()  # AMP008
+
+
+def context_variable(model, batch):
+    with ctx:
+        loss = model(batch)
+        loss.backward()  # AMP008
+
+
+def partial_autocast(model, batch):
+    with autocast_fp16():
+        loss = model(batch)
+        loss.backward()  # AMP008
+
+
+@torch.autocast("cuda")
+def decorated_step(model, batch):
+    loss = model(batch)
+    loss.backward()  # AMP008
+    return loss
+
+
+def cpu_bf16_block(model, batch):
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        loss = model(batch)
+        loss.backward()  # AMP008
+
+
+def benchmark_loop(model, batch, iterations):
+    for _ in range(iterations):
+        with torch.autocast("cuda"):
+            out = model(batch)
+            out.sum().backward()  # AMP008
+
+
+def multiple_with_items(model, batch):
+    with torch.autocast("cuda"), torch.autograd.set_detect_anomaly(True):
+        loss = model(batch)
+        loss.backward()  # AMP008
+
+
+def nested_in_other_context(model, batch):
+    with torch.autocast("cuda"):
+        with torch.enable_grad():
+            loss = model(batch)
+            loss.backward(retain_graph=True)  # AMP008
+
+
+def backward_in_conditional(model, batch, step, accum):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        if (step + 1) % accum == 0:
+            loss.backward()  # AMP008
+
+
+def inner_region_of_loop(model, loader, optimizer):
+    for batch in loader:
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+            scaler.scale(loss).backward()  # AMP008
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# ---------------------------------------------------------------- negatives
+
+
+def backward_after_block(model, batch, optimizer):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def scaled_backward_after_block(model, batch, optimizer):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def disabled_region(model, batch):
+    with torch.autocast("cuda", enabled=False):
+        loss = model(batch)
+        loss.backward()
+
+
+def disabled_island_inside(model, batch):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        with torch.autocast("cuda", enabled=False):
+            loss.float().backward()
+
+
+def nullcontext_region(model, batch):
+    with contextlib.nullcontext():
+        loss = model(batch)
+        loss.backward()
+
+
+def no_sync_context(model, batch):
+    ctx = model.no_sync
+    with ctx():
+        loss = model(batch)
+        loss.backward()
+
+
+def ddp_no_sync(model, batch):
+    with model.no_sync():
+        loss = model(batch)
+        loss.backward()
+
+
+def accelerate_accumulate(accelerator, model, batch, optimizer):
+    with accelerator.accumulate(model):
+        with accelerator.autocast():
+            loss = model(batch)
+        accelerator.backward(loss)
+        optimizer.step()
+
+
+def apex_scaled_loss(model, batch, optimizer, amp):
+    loss = model(batch)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+
+
+def function_defined_in_block(model, batch):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+
+        def closure():
+            loss.backward()
+            return loss
+
+    return closure
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@torch.autocast("cuda")
+def decorated_forward_only(model, batch):
+    return model(batch)
+
+
+def uses_decorated_forward(model, batch):
+    loss = decorated_forward_only(model, batch)
+    loss.backward()
+
+
+def grad_under_no_grad(model, batch):
+    with torch.no_grad():
+        out = model(batch)
+    return out
+
+
+def region_ends_before_backward_in_loop(model, loader, optimizer):
+    for batch in loader:
+        with torch.autocast("cuda"):
+            loss = model(batch)
+        loss.backward()
+        optimizer.step()
+
+
+def lightning_manual_backward(self, batch):
+    with torch.autocast("cuda"):
+        loss = self.model(batch)
+    self.manual_backward(loss)

@@ -1,0 +1,214 @@
+"""AMP009 deprecated-amp-api: torch.cuda.amp / torch.cpu.amp spellings of the torch.amp API."""
+import torch
+import torch.cuda.amp
+import torch.cuda.amp as cuda_amp
+import torch_npu
+from torch.cuda import amp
+from torch.cuda.amp import GradScaler, autocast
+from torch.cuda.amp import custom_bwd as old_custom_bwd
+from torch.cuda.amp import custom_fwd
+from torch.cpu.amp import autocast as cpu_autocast
+
+if torch.__version__ >= "2.4":
+    gated_scaler = torch.amp.GradScaler("cuda")
+else:
+    gated_scaler = torch.cuda.amp.GradScaler()
+
+
+# ---------------------------------------------------------------- positives
+
+
+def old_scaler():
+    return torch.cuda.amp.GradScaler()  # AMP009
+
+
+def old_autocast(model, batch):
+    with torch.cuda.amp.autocast():  # AMP009
+        return model(batch)
+
+
+def old_autocast_with_dtype(model, batch):
+    with torch.cuda.amp.autocast(dtype=torch.bfloat16):  # AMP009
+        return model(batch)
+
+
+def old_cpu_autocast(model, batch):
+    with torch.cpu.amp.autocast():  # AMP009
+        return model(batch)
+
+
+def module_alias_scaler(enabled):
+    return amp.GradScaler(enabled=enabled)  # AMP009
+
+
+def module_alias_autocast(model, batch):
+    with amp.autocast(enabled=True):  # AMP009
+        return model(batch)
+
+
+def imported_names(model, batch):
+    scaler = GradScaler()  # AMP009
+    with autocast():  # AMP009
+        loss = model(batch)
+    return scaler, loss
+
+
+@torch.cuda.amp.autocast()  # AMP009
+def decorated_forward(model, batch):
+    return model(batch)
+
+
+class MyFunction(torch.autograd.Function):
+    @staticmethod
+    @custom_fwd  # AMP009
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    @old_custom_bwd  # AMP009
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class OtherFunction(torch.autograd.Function):
+    @staticmethod
+    @torch.cuda.amp.custom_fwd(cast_inputs=torch.float32)  # AMP009
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    @torch.cuda.amp.custom_bwd  # AMP009
+    def backward(ctx, grad):
+        return grad
+
+
+def stored_reference():
+    factory = torch.cuda.amp.GradScaler  # AMP009
+    return factory(init_scale=1024)
+
+
+def in_training_loop(model, loader, optimizer):
+    scaler = torch.cuda.amp.GradScaler(enabled=True)  # AMP009
+    for batch in loader:
+        with torch.autocast("cuda"):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def enabled_by_dtype(dtype):
+    return torch.cuda.amp.GradScaler(enabled=(dtype == "float16"))  # AMP009
+
+
+def scaler_with_options():
+    return torch.cuda.amp.GradScaler(init_scale=2.0**16, growth_interval=2000)  # AMP009
+
+
+def module_imported_as(model, batch):
+    with cuda_amp.autocast():  # AMP009
+        return model(batch)
+
+
+def renamed_cpu_autocast(model, batch):
+    with cpu_autocast(dtype=torch.bfloat16):  # AMP009
+        return model(batch)
+
+
+class Config:
+    scaler_class = torch.cuda.amp.GradScaler  # AMP009
+
+
+def isinstance_check(obj):
+    return isinstance(obj, torch.cuda.amp.GradScaler)  # AMP009
+
+
+# ---------------------------------------------------------------- negatives
+
+
+def modern_scaler():
+    return torch.amp.GradScaler("cuda")
+
+
+def modern_autocast(model, batch):
+    with torch.amp.autocast("cuda", dtype=torch.float16):
+        return model(batch)
+
+
+def generic_autocast(model, batch):
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        return model(batch)
+
+
+def try_modern_first():
+    try:
+        return torch.amp.GradScaler("cuda")
+    except (AttributeError, TypeError):
+        return torch.cuda.amp.GradScaler()
+
+
+def try_import_modern_first():
+    try:
+        from torch.amp import GradScaler as Scaler
+    except ImportError:
+        from torch.cuda.amp import GradScaler as Scaler
+    return Scaler()
+
+
+def version_flag(model, batch, TORCH_GE_2_4):
+    if TORCH_GE_2_4:
+        ctx = torch.amp.autocast("cuda")
+    else:
+        ctx = torch.cuda.amp.autocast()
+    with ctx:
+        return model(batch)
+
+
+def hasattr_gate():
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler("cuda")
+    return torch.cuda.amp.GradScaler()
+
+
+def conditional_expression_gate(version):
+    return torch.amp.GradScaler("cuda") if version >= (2, 4) else torch.cuda.amp.GradScaler()
+
+
+def vendor_namespace(model, batch):
+    with torch.npu.amp.autocast():
+        loss = model(batch)
+    return torch_npu.npu.amp.GradScaler(), loss
+
+
+def xpu_namespace(model, batch):
+    with torch.xpu.amp.autocast():
+        return model(batch)
+
+
+def in_docstring():
+    """Replaces torch.cuda.amp.GradScaler() with torch.amp.GradScaler("cuda")."""
+    return torch.amp.GradScaler("cuda")
+
+
+def in_string():
+    message = "torch.cuda.amp.autocast is deprecated"
+    return message
+
+
+def module_level_gate():
+    return gated_scaler
+
+
+def modern_custom_fwd():
+    return torch.amp.custom_fwd(device_type="cuda")
+
+
+def other_cuda_apis():
+    torch.cuda.synchronize()
+    return torch.cuda.is_bf16_supported()
+
+
+def apex_amp_is_not_torch(model, optimizer):
+    from apex import amp as apex_amp
+
+    return apex_amp.initialize(model, optimizer, opt_level="O1")
