@@ -3,9 +3,10 @@
 * A loop with a GradScaler: at ``scaler.update()`` (seen as ``torch._amp_update_scale_`` through the
   guard's mode). Skipped steps count: the update runs whether or not the optimizer stepped.
 * Otherwise at ``optimizer.step()`` (global optimizer step post-hook). With several optimizers the step
-  ends after the last one of the cycle: the optimizer seen stepping for the first time most recently
-  (so in the very first iteration each optimizer ends a step of its own), or earlier when an optimizer
-  steps a second time before the cycle completed.
+  ends after the last one of the cycle, learned in the first iteration: an optimizer stepping for the
+  first time right after another one (no backward in between) joins that step; one stepping for the first
+  time after its own backward (e.g. a GAN's generator) makes the first iteration count as two steps. An
+  optimizer stepping again before the cycle completed also ends the step.
 * ``guard.step()`` for loops with neither; once it is called, automatic detection stays off.
 
 Gradient accumulation needs nothing special: micro-batches only run backward, and steps end where the
@@ -22,7 +23,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import inside_scaler_step, watch_of
+from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, inside_scaler_step, watch_of
 
 
 class StepDetector(Monitor):
@@ -35,6 +36,9 @@ class StepDetector(Monitor):
         self._last_in_cycle: Optional[weakref.ref] = None
         self._known: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._stepped: set = set()
+        self._backward_since_step = False
+        self._ended_by_optimizer = False
+        self._joined_ended_step = False
 
     def attach(self, guard):
         super().attach(guard)
@@ -42,15 +46,22 @@ class StepDetector(Monitor):
         self.keep(register_optimizer_step_post_hook(self._optimizer_step_ends))
 
     def op_handlers(self):
-        return {torch._amp_update_scale_: OpHandler(after=self._scaler_updated)}
+        handlers = {func: OpHandler(before=self._backward_starts) for func in BACKWARD_FUNCTIONS}
+        handlers[torch._amp_update_scale_] = OpHandler(after=self._scaler_updated)
+        return handlers
 
     def _automatic(self) -> bool:
         guard = self.guard
         return not guard.manual_steps and not guard.suspended and threading.get_ident() == guard._thread
 
-    def _end_step(self) -> None:
+    def _end_step(self, by_optimizer: bool = False) -> None:
         self._stepped.clear()
+        self._backward_since_step = False
+        self._ended_by_optimizer = by_optimizer
         self.guard._end_step()
+
+    def _backward_starts(self, func, args, kwargs):
+        self._backward_since_step = True
 
     def _scaler_updated(self, func, args, kwargs, out):
         if self._automatic():
@@ -60,17 +71,23 @@ class StepDetector(Monitor):
         if not self._automatic() or self._through_scaler(optimizer):
             return
         if id(optimizer) in self._stepped:  # a new iteration began before the cycle completed
-            self._end_step()
+            self._end_step(by_optimizer=True)
         if optimizer not in self._known:
             self._known.add(optimizer)
             self._last_in_cycle = weakref.ref(optimizer)
+            self._joined_ended_step = self._ended_by_optimizer and not self._backward_since_step
 
     def _optimizer_step_ends(self, optimizer, args, kwargs):
         if not self._automatic() or self._through_scaler(optimizer):
             return
         self._stepped.add(id(optimizer))
-        if self._last_in_cycle is not None and self._last_in_cycle() is optimizer:
-            self._end_step()
+        if self._last_in_cycle is None or self._last_in_cycle() is not optimizer:
+            return
+        if self._joined_ended_step:  # part of the step that has just ended: the cycle ends here from now on
+            self._joined_ended_step = False
+            self._stepped.clear()
+        else:
+            self._end_step(by_optimizer=True)
 
     def _through_scaler(self, optimizer) -> bool:
         """Whether a GradScaler is stepping this optimizer (its update() will end the step)."""

@@ -74,3 +74,56 @@ def test_overflow_rate_threshold_and_window_are_configurable(rate, reported):
     sequence = [(1024.0, False)] + [(1024.0, i % 5 == 0) for i in range(1, 30)]  # 2 skips in every 10 steps
     per_step = run_history(sequence, init=1024.0, limits=limits)
     assert any("AMP109" in codes(f) for f in per_step) is reported
+
+
+# -- guarded fp16 training with a real GradScaler --------------------------------------------
+
+import amp_runtime  # noqa: E402
+
+
+def overflowing_run(steps, loss_factor=1e6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    scales = []
+    with amp_runtime.guard(policy="record") as g:
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(32, 8))
+            loss = out.float().pow(2).mean() * loss_factor  # every fp16 backward overflows
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+    return g, scales
+
+
+def test_every_backward_overflowing_declines_then_collapses_the_scale():
+    g, scales = overflowing_run(steps=20)
+    assert scales == [2.0 ** (15 - i) for i in range(20)]  # the scale halves each step
+    decline = g.report.by_code("AMP108")
+    assert [e.step for e in decline] == [4, 6, 9]
+    assert all(scales[e.step] == e.details["loss_scale"] for e in decline)
+    (collapse,) = g.report.by_code("AMP107")
+    assert collapse.step == scales.index(1.0) and collapse.severity == "P0"
+    assert not g.report.by_code("AMP103")  # the scaler caught every inf
+    assert not g.report.by_code("AMP104") and not g.report.by_code("AMP109")
+
+
+def test_loss_scale_thresholds_come_from_the_guard():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    limits = Thresholds(scale_collapse=256.0)
+    with amp_runtime.guard(policy="record", thresholds=limits) as g:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 4)).float().sum() * 1e6
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (collapse,) = g.report.by_code("AMP107")
+    assert collapse.step == 1 and collapse.details["loss_scale"] == 256.0

@@ -120,13 +120,14 @@ def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer]
 
 
 def inside_scaler_step() -> bool:
-    """Whether the running code was called by ``GradScaler.step`` (checked from an optimizer hook)."""
+    """Whether an enabled ``GradScaler.step`` called the running code (checked from an optimizer hook)."""
     frame = sys._getframe(1)
     for _ in range(_FRAMES_TO_SCALER + 4):
         if frame is None:
             return False
-        if frame.f_code.co_name in ("step", "_maybe_opt_step") and isinstance(frame.f_locals.get("self"), GradScaler):
-            return True
+        scaler = frame.f_locals.get("self")
+        if frame.f_code.co_name in ("step", "_maybe_opt_step") and isinstance(scaler, GradScaler):
+            return scaler.is_enabled()
         frame = frame.f_back
     return False
 
