@@ -152,11 +152,15 @@ class CompareResult:
         return "\n".join(lines)
 
     def __str__(self) -> str:
+        return self.summary()
+
+    def summary(self, limit: Optional[int] = 20) -> str:
+        """The ranked table (``limit`` rows), the modules to keep in float32 and the snippet."""
         parts = [
             f"{self.dtype} autocast on {self.device_type} against float32, "
             f"{len(self.modules)} module(s), tolerance rel-L2 {self.tolerance:.3g}; "
             f"model output rel-L2 {self.output_error():.3g}",
-            self.table(),
+            self.table(limit),
         ]
         if self.keep_fp32:
             reasons = {m.name: m.reason for m in self.modules}

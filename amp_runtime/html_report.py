@@ -129,12 +129,11 @@ def _read_metrics(path: Path) -> List[Dict[str, Any]]:
 def diagnose(run: RunLog) -> List[str]:
     """Short sentences, most serious first, saying what went wrong and where."""
     findings = []
-    collapse = _scale_collapse(run)
-    first = _first_overflow(run)
-    if collapse:
-        findings.append(collapse + (f"; first overflow {first}" if first else ""))
-    elif first:
-        findings.append(f"First overflow {first}.")
+    scale = _loss_scale_story(run)
+    overflow = _first_overflow(run)
+    headline = "; ".join(part for part in (scale, overflow) if part)
+    if headline:
+        findings.append(f"{headline[0].upper()}{headline[1:]}.")
     skipped = run.skipped_steps()
     if skipped and run.steps:
         findings.append(
@@ -155,10 +154,10 @@ def diagnose(run: RunLog) -> List[str]:
             f"{len(run.events)} event(s) ({', '.join(f'{severities[s]} {s}' for s in sorted(severities))}); "
             f"most frequent {', '.join(f'{c} ×{n}' for c, n in counts.most_common(3))}; "
             f"worst: {worst.code} {worst.name}{_where(worst)}.")
-    if not (collapse or first or bad_loss or run.events):
+    if not (overflow or bad_loss or run.events):
         _, scales = run.series("loss_scale")
-        scale = f", loss scale ended at {scales[-1]:g}" if scales else ""
-        findings.insert(0, f"No problems found: {len(run.steps)} step(s), no events{scale}.")
+        ended = f", loss scale ended at {scales[-1]:g}" if scales else ""
+        findings.insert(0, f"No problems found: {len(run.steps)} step(s), no events{ended}.")
     return findings
 
 
@@ -166,32 +165,50 @@ def _is_nonfinite(value) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
-def _scale_collapse(run: RunLog) -> str:
-    """'loss scale collapsed to 1 at step 37 after 12 consecutive overflows', or ''."""
+def _loss_scale_story(run: RunLog) -> str:
+    """'loss scale collapsed to 1 at step 37 after 12 consecutive overflows', or how far
+    it fell; '' when it did not end below a hundredth of where it started."""
     steps, scales = run.series("loss_scale")
-    if not scales or min(scales) > 1.0:
+    if not scales:
         return ""
-    at = next(i for i, s in enumerate(scales) if s <= 1.0)
-    skipped = set(run.skipped_steps())
-    streak = 0
-    for step in reversed(steps[: at + 1]):
-        if step not in skipped:
-            break
-        streak += 1
-    after = f" after {streak} consecutive overflows" if streak else ""
-    return f"Loss scale collapsed to {scales[at]:g} at step {steps[at]}{after}"
+    if min(scales) <= 1.0:
+        at = next(i for i, s in enumerate(scales) if s <= 1.0)
+        skipped = set(run.skipped_steps())
+        streak = 0
+        for step in reversed(steps[: at + 1]):
+            if step not in skipped:
+                break
+            streak += 1
+        after = f" after {streak} consecutive overflows" if streak else ""
+        return f"loss scale collapsed to {scales[at]:g} at step {steps[at]}{after}"
+    if scales[-1] < scales[0] * Thresholds().scale_decline_fraction:
+        return f"loss scale fell from {scales[0]:g} to {scales[-1]:g} by step {steps[-1]}"
+    return ""
 
 
 def _first_overflow(run: RunLog) -> str:
-    """'in blocks.3.attn (matmul, model.py:88)' for the first overflow-type event."""
-    overflows = [e for e in run.events if e.code in _OVERFLOW_CODES]
+    """'first overflow in blocks.3.attn (matmul, model.py:88) at step 7 [AMP101]', naming
+    the first event localized to an op when an unlocalized one (a NaN loss) came earlier."""
+    overflows = sorted((e for e in run.events if e.code in _OVERFLOW_CODES),
+                       key=lambda e: (e.step is None, e.step or 0))
     if not overflows:
         return ""
-    first = min(overflows, key=lambda e: (e.step is None, e.step or 0))
-    inside = ", ".join(p for p in (first.op, first.source) if p)
-    where = f"in {first.module}" if first.module else ""
-    step = "" if first.step is None else f"at step {first.step} "
-    return f"{step}{where}{f' ({inside})' if inside else ''} [{first.code}]".replace("  ", " ").strip()
+    first = overflows[0]
+    localized = next((e for e in overflows if e.module or e.code in ("AMP101", "AMP102")), None)
+    if localized is None or localized is first:
+        return f"first overflow {_place(first)}"
+    return f"first non-finite value {_place(first)}; first localized overflow {_place(localized)}"
+
+
+def _place(event: Event) -> str:
+    inside = ", ".join(p for p in (event.op, event.source) if p)
+    parts = [
+        f"in {event.module}" if event.module else "",
+        f"({inside})" if inside else "",
+        "" if event.step is None else f"at step {event.step}",
+        f"[{event.code}]",
+    ]
+    return " ".join(p for p in parts if p)
 
 
 def _where(event: Event) -> str:

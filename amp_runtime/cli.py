@@ -1,0 +1,262 @@
+"""``python -m amp_runtime`` (also ``amp-runtime``): run, report, doctor, compare.
+
+    python -m amp_runtime run [options] SCRIPT [ARGS...]   run a script under a guard
+    python -m amp_runtime report DIR                       build DIR/report.html
+    python -m amp_runtime doctor                           precision support and advice
+    python -m amp_runtime compare MODULE:FACTORY           per-module error against fp32
+
+``run`` executes the unmodified script as ``__main__`` the way ``python -m cProfile``
+does: ``sys.argv`` is ``[SCRIPT, ARGS...]``, ``sys.path[0]`` is the script's folder, its
+exceptions are shown as its own and its exit code is kept. Bad arguments and missing
+files give one ``error:`` line and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import builtins
+import importlib
+import json
+import os
+import runpy
+import shutil
+import sys
+import tokenize
+import traceback
+import types
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .html_report import REPORT_FILE, ReportError, build_report
+
+PROG = "python -m amp_runtime"
+DEFAULT_OUT = "amp-report"
+USAGE_ERROR = 2
+
+
+class CliError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise CliError(f"{self.prog}: {message} (see --help)")
+
+
+def _codes(text: str) -> List[str]:
+    codes = [c.strip().upper() for c in text.split(",") if c.strip()]
+    if not codes:
+        raise argparse.ArgumentTypeError("expected AMP codes or prefixes separated by commas, e.g. AMP1,AMP003")
+    return codes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Runtime guard for PyTorch mixed-precision training.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    run = commands.add_parser(
+        "run", help="run a training script under a guard and write a report",
+        description="Run SCRIPT as __main__ inside amp_runtime.guard(); write events.jsonl, "
+                    "metrics.jsonl and report.html to --out; print the events table at the end. "
+                    "Options go before SCRIPT; everything after it is passed to the script.",
+    )
+    run.add_argument("--policy", choices=("warn", "raise", "record"), default="warn",
+                     help="warn (default): print each event; raise: stop at the first P0/P1 event; "
+                          "record: only collect")
+    run.add_argument("--trace", choices=("off", "auto", "always"), default="auto",
+                     help="per-op checks: off, auto (switch on after an anomaly, default) or always")
+    run.add_argument("--select", type=_codes, metavar="CODES", help="only these codes/prefixes, e.g. AMP1,AMP003")
+    run.add_argument("--ignore", type=_codes, metavar="CODES", help="skip these codes/prefixes")
+    run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                     help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/)")
+    run.add_argument("--no-report", action="store_true", help="write the logs but not report.html")
+    run.add_argument("script", metavar="SCRIPT", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+
+    report = commands.add_parser(
+        "report", help="build report.html from a guard's log folder",
+        description="Build one self-contained report.html from events.jsonl/metrics.jsonl in DIR.",
+    )
+    report.add_argument("dir", metavar="DIR", help="a guard's log_dir (e.g. amp-report/)")
+    report.add_argument("--out", metavar="FILE", help=f"where to write the page (default: DIR/{REPORT_FILE})")
+
+    doctor = commands.add_parser(
+        "doctor", help="what this machine supports and which precision to use",
+        description="Show CUDA devices (capability, tensor cores, fp16/bf16/tf32), CPU autocast "
+                    "support, and the recommended autocast dtype and GradScaler settings.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    compare = commands.add_parser(
+        "compare", help="per-module error of autocast against float32",
+        description="Import FACTORY from MODULE (a module name or a path to a .py file), call it "
+                    "with no arguments; it returns (model, inputs), inputs being a tensor, a tuple "
+                    "of positional arguments or a dict of keyword arguments. Then compare every "
+                    "module's output under autocast with float32 and name the modules to keep in "
+                    "float32. Example: python -m amp_runtime compare train.py:make_batch --dtype float16",
+    )
+    compare.add_argument("target", metavar="MODULE:FACTORY", help="e.g. mypkg.models:example or model.py:example")
+    compare.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                         help="low-precision dtype (default: bfloat16)")
+    compare.add_argument("--device-type", metavar="TYPE", help="autocast device type (default: the inputs')")
+    compare.add_argument("--tolerance", type=float, metavar="REL_L2",
+                         help="own relative L2 error above which a module is named (default: 4 x dtype eps)")
+    compare.add_argument("--top", type=int, default=20, metavar="N", help="rows in the table (default: 20)")
+    compare.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        options = build_parser().parse_args(argv)
+        return _COMMANDS[options.command](options)
+    except CliError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+    except BrokenPipeError:  # output piped into e.g. head, which stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+# ---------------------------------------------------------------------------
+# run
+
+
+def _run(options) -> int:
+    script = Path(options.script)
+    if not script.is_file():
+        raise CliError(f"run: {options.script}: no such file")
+    import amp_runtime
+
+    out = Path(options.out)
+    try:
+        guard = amp_runtime.guard(
+            policy=options.policy, trace=options.trace, select=options.select,
+            ignore=options.ignore, log_dir=out,
+        )
+    except (ValueError, TypeError) as err:
+        raise CliError(f"run: {err}") from None
+    status = _run_script(guard, script, options.args)
+    print(guard.report.summary(width=max(100, shutil.get_terminal_size().columns)), file=sys.stderr)
+    if not options.no_report:
+        try:
+            page = build_report(out)
+            print(f"amp_runtime: report at {page}", file=sys.stderr)
+        except ReportError as err:
+            print(f"amp_runtime: no report: {err}", file=sys.stderr)
+    else:
+        print(f"amp_runtime: logs in {out}{os.sep}", file=sys.stderr)
+    return status
+
+
+def _run_script(guard, script: Path, args: List[str]) -> int:
+    """Run ``script`` as ``__main__`` inside ``guard``; the exit status it would have had."""
+    path = str(script.resolve())
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__builtins__ = builtins
+    saved = sys.argv[:], sys.path[0], sys.modules["__main__"]
+    sys.argv[:] = [str(script), *args]
+    sys.path[0] = str(script.resolve().parent)
+    sys.modules["__main__"] = main  # classes defined by the script pickle as __main__.X
+    try:
+        with tokenize.open(path) as fh:
+            code = compile(fh.read(), path, "exec")
+        with guard:
+            exec(code, main.__dict__)
+        return 0
+    except SystemExit as exit_:
+        return _exit_status(exit_.code)
+    except BaseException as err:  # shown as the script's own, then the report is still built
+        _print_script_traceback(err, path)
+        return 130 if isinstance(err, KeyboardInterrupt) else 1
+    finally:
+        sys.argv[:], sys.path[0], sys.modules["__main__"] = saved
+
+
+def _exit_status(code) -> int:
+    """What Python's own exit would give for ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _print_script_traceback(err: BaseException, script_path: str) -> None:
+    """The traceback from the script's first frame on, without this runner's frames."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script_path:
+        tb = tb.tb_next
+    traceback.print_exception(type(err), err, tb, file=sys.stderr)  # tb None: a SyntaxError
+
+
+# ---------------------------------------------------------------------------
+# report, doctor, compare
+
+
+def _report(options) -> int:
+    try:
+        page = build_report(options.dir, options.out)
+    except ReportError as err:
+        raise CliError(f"report: {err}") from None
+    print(page)
+    return 0
+
+
+def _doctor(options) -> int:
+    from .doctor import diagnose
+
+    result = diagnose()
+    print(json.dumps(result.to_json(), indent=2) if options.json else result)
+    return 0
+
+
+def _compare(options) -> int:
+    import torch
+
+    from .compare import compare
+
+    model, inputs = _load_factory(options.target)
+    if options.top < 1:
+        raise CliError("compare: --top must be at least 1")
+    try:
+        result = compare(model, inputs, dtype=getattr(torch, options.dtype),
+                         device_type=options.device_type, tolerance=options.tolerance)
+    except (ValueError, TypeError) as err:
+        raise CliError(f"compare: {err}") from None
+    if options.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(result.summary(limit=options.top))
+    return 0
+
+
+def _load_factory(target: str):
+    """``(model, inputs)`` from calling FACTORY in MODULE (``module:factory`` or ``file.py:factory``)."""
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"compare: {target!r} is not MODULE:FACTORY (e.g. model.py:example)")
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = Path(module_name)
+        if not path.is_file():
+            raise CliError(f"compare: {module_name}: no such file")
+        sys.path.insert(0, str(path.resolve().parent))
+        namespace = runpy.run_path(str(path), run_name="amp_runtime_compare_target")
+    else:
+        sys.path.insert(0, os.getcwd())
+        try:
+            namespace = vars(importlib.import_module(module_name))
+        except ModuleNotFoundError as err:
+            raise CliError(f"compare: cannot import {module_name}: {err}") from None
+    factory = namespace.get(attr)
+    if not callable(factory):
+        raise CliError(f"compare: {module_name} has no callable {attr!r}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise CliError(f"compare: {attr}() must return (model, inputs), got {type(made).__name__}")
+    return made
+
+
+_COMMANDS = {"run": _run, "report": _report, "doctor": _doctor, "compare": _compare}
