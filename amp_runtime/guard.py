@@ -248,6 +248,7 @@ class Guard:
         self._mode = GuardMode(
             (m.op_handlers() for m in self.monitors),
             [m.trace_handler for m in self.monitors if m.trace_handler is not None],
+            frozenset().union(*(m.untraced for m in self.monitors)),
         )
         self._mode.set_tracing(self._tracing)
         self._mode.__enter__()

@@ -36,7 +36,12 @@ def _entry(befores: List[Before], afters: List[After]) -> Entry:
 class GuardMode(TorchFunctionMode):
     """Dispatches torch functions to the merged handler table."""
 
-    def __init__(self, handler_maps: Iterable[Dict[Any, OpHandler]], tracers: Iterable[After] = ()):
+    def __init__(
+        self,
+        handler_maps: Iterable[Dict[Any, OpHandler]],
+        tracers: Iterable[After] = (),
+        untraced: Iterable[Any] = (),
+    ):
         super().__init__()
         merged: Dict[Any, tuple] = {}
         for handlers in handler_maps:
@@ -49,7 +54,9 @@ class GuardMode(TorchFunctionMode):
         self._cheap = {func: _entry(b, a) for func, (b, a) in merged.items()}
         tracers = list(tracers)
         if tracers:
-            self._traced = {func: _entry(b, a + tracers) for func, (b, a) in merged.items()}
+            # An untraced function keeps its cheap entry, or None: straight through.
+            self._traced = {func: self._cheap.get(func) for func in untraced}
+            self._traced.update({func: _entry(b, a + tracers) for func, (b, a) in merged.items() if func not in untraced})
             self._trace_default = _entry([], tracers)
         else:
             self._traced, self._trace_default = self._cheap, None

@@ -100,11 +100,14 @@ class ModuleTracker:
         return self.name_of(self._stack[-1])
 
     def name_of(self, module: torch.nn.Module) -> str:
-        name = self._names.get(module)
-        if name is None:
-            name = self._discover(module)
-            self._names[module] = name
-        return name or type(module).__name__
+        return self._path(module) or type(module).__name__
+
+    def _path(self, module: torch.nn.Module) -> str:
+        """Dotted path below the root ("" for the root), found once and cached."""
+        path = self._names.get(module)
+        if path is None:
+            path = self._names[module] = self._discover(module)
+        return path
 
     def _discover(self, module: torch.nn.Module) -> str:
         """The path of ``module`` below the innermost running module that contains it."""
@@ -113,6 +116,6 @@ class ModuleTracker:
                 continue
             for path, child in parent.named_modules():
                 if child is module and path:
-                    prefix = self._names.get(parent, "")
+                    prefix = self._path(parent)
                     return f"{prefix}.{path}" if prefix else path
         return ""

@@ -8,7 +8,7 @@ torch function, so an op no check cares about costs one dict look-up.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 #: ``before(func, args, kwargs)`` runs before the op; it may call ``guard.emit``.
 Before = Callable[[Any, tuple, dict], None]
@@ -30,6 +30,8 @@ class Monitor:
     codes: Tuple[str, ...] = ()
     #: An ``after`` handler the mode runs after every op while per-op tracing is on.
     trace_handler: Optional[After] = None
+    #: Functions the trace handlers need not see (views and copies cannot create NaN/Inf).
+    untraced: FrozenSet[Any] = frozenset()
 
     def __init__(self):
         self.guard = None

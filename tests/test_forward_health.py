@@ -1,0 +1,229 @@
+"""Forward-side numeric health: AMP101, AMP102, AMP110, AMP111, AMP112, on real CPU training."""
+import inspect
+import math
+import os
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_runtime
+from amp_runtime import GuardError, Thresholds
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        hidden = F.gelu(self.fc1(self.norm(x)))
+        return x + self.fc2(hidden)  # fc2 call
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, width=16, depth=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+FC2_LINE = inspect.getsourcelines(Block.forward)[1] + inspect.getsource(Block.forward).splitlines().index(
+    "        return x + self.fc2(hidden)  # fc2 call"
+)
+THIS_FILE = os.path.relpath(__file__)
+
+
+def run_training(steps, guard, *, dtype=torch.float16, overflow_steps=(), width=16):
+    """CPU autocast training of ResidualMLP; in ``overflow_steps`` blocks[2].fc2's weight is
+    scaled up so that its output overflows fp16. Returns the guard's step index at the
+    start of each iteration; steps end by the guard's own detection, else by guard.step()."""
+    torch.manual_seed(0)
+    model = ResidualMLP(width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    generator = torch.Generator().manual_seed(0)
+    weight = model.blocks[2].fc2.weight
+    step_at_start = []
+    for step in range(steps):
+        step_at_start.append(guard.step_index)
+        x = torch.randn(8, width, generator=generator)
+        target = x.sum(dim=1, keepdim=True).tanh()
+        if step in overflow_steps:
+            saved = weight.detach().clone()
+            with torch.no_grad():
+                weight.mul_(1e6)
+        with torch.autocast("cpu", dtype=dtype):
+            prediction = model(x)
+            loss = F.mse_loss(prediction.float(), target)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if step in overflow_steps:
+            with torch.no_grad():
+                weight.copy_(saved)
+        if guard.step_index == step_at_start[-1]:
+            guard.step()
+    assert step_at_start == list(range(steps))
+    return step_at_start
+
+
+def test_trace_always_names_the_first_overflowing_op_module_line_and_step():
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        run_training(6, g, overflow_steps={3})
+    (event,) = g.report.by_code("AMP101")
+    assert event.module == "blocks.2.fc2"
+    assert event.op == "linear"
+    assert event.source == f"{THIS_FILE}:{FC2_LINE}"
+    assert event.step == 3 and event.severity == "P0"
+    assert event.details["dtype"] == "float16"
+    assert event.details["input_dtypes"] == ["float16", "float32", "float32"]
+    assert math.isfinite(event.details["input_max"]) and not math.isfinite(event.details["output_max"])
+    assert "blocks.2.fc2" in str(event) and "linear produced NaN from finite inputs" in event.message
+
+
+def test_trace_auto_detects_in_the_step_and_localizes_the_next_occurrence():
+    with amp_runtime.guard(policy="record", trace="auto") as g:
+        assert not g.tracing
+        run_training(6, g, overflow_steps={3, 4})
+    losses = g.report.by_code("AMP112")
+    assert losses and losses[0].step == 3 and losses[0].severity == "P0"
+    (first_op,) = g.report.by_code("AMP101")
+    assert first_op.step == 4 and first_op.module == "blocks.2.fc2" and first_op.op == "linear"
+    assert g.tracing  # still within the quiet period
+
+
+def test_trace_off_reports_the_loss_only():
+    with amp_runtime.guard(policy="record", trace="off") as g:
+        run_training(5, g, overflow_steps={3, 4})
+    assert {e.code for e in g.report} == {"AMP112"}
+
+
+def test_policy_raise_stops_at_the_faulty_op():
+    with pytest.raises(GuardError) as caught:
+        with amp_runtime.guard(policy="raise", trace="always") as g:
+            run_training(5, g, overflow_steps={2})
+    assert caught.value.event.code == "AMP101"
+    assert caught.value.event.module == "blocks.2.fc2"
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert any(f.filename == __file__ and f.lineno == FC2_LINE for f in frames)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_healthy_run_of_100_steps_has_no_health_event(dtype):
+    with amp_runtime.guard(policy="record", trace="always", select=["AMP1"]) as g:
+        run_training(100, g, dtype=dtype, width=8)
+    assert g.report.events == []
+
+
+def test_near_overflow_is_reported_for_fp16_only():
+    x = torch.full((4,), 250.0, dtype=torch.float16)
+    square = float((x * x).max())  # 62500 rounded to fp16
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        x * x
+        x.to(torch.bfloat16) * x.to(torch.bfloat16)
+        x * 2
+    (event,) = g.report.by_code("AMP102")
+    assert event.op == "mul" and event.details["output_max"] == square > 60000
+    assert not g.report.by_code("AMP101")
+
+
+def test_propagating_ops_are_not_new_first_causes():
+    x = torch.tensor([300.0, 1.0], dtype=torch.float16)
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        y = x * x * x  # overflows in the second multiply
+        z = (y - y).exp()  # inf - inf = NaN, then propagates
+    assert torch.isnan(z).any()
+    (event,) = g.report.by_code("AMP101")
+    assert event.op == "mul" and event.details["input_max"] == 300.0
+
+
+def test_in_place_overflow_is_a_first_cause():
+    x = torch.tensor([60000.0, 1.0], dtype=torch.float16)
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        x.mul_(2)
+    (event,) = g.report.by_code("AMP101")
+    assert event.op == "mul_" and event.message.startswith("mul_ produced inf")
+
+
+def test_nonfinite_loss_at_backward():
+    weight = torch.ones(3, requires_grad=True)
+    with amp_runtime.guard(policy="record", trace="off") as g:
+        loss = (weight * float("nan")).sum()
+        loss.backward()
+        torch.autograd.backward((weight * 2).sum())
+    (event,) = g.report.by_code("AMP112")
+    assert event.message.startswith("loss is NaN") and event.op == "backward"
+
+
+def test_absorption_in_a_low_precision_accumulator():
+    limits = Thresholds(sample_every=1)
+    total = torch.full((8,), 4096.0, dtype=torch.float16)
+    small = torch.full((8,), 0.5, dtype=torch.float16)
+    with amp_runtime.guard(policy="record", thresholds=limits) as g:
+        total += small  # lost entirely: half an ulp of 4096 in fp16 is 2
+        kept = total + torch.full((8,), 4.0, dtype=torch.float16)  # changes the sum
+        total.float() + small.float()  # fp32: out of scope
+    assert torch.equal(total, torch.full((8,), 4096.0, dtype=torch.float16))
+    assert not torch.equal(kept, total)
+    (event,) = g.report.by_code("AMP110")
+    assert event.op == "add_" and event.details["ratio"] == 8192.0
+
+
+def test_absorption_is_sampled():
+    limits = Thresholds(sample_every=4)
+    total = torch.full((8,), 4096.0, dtype=torch.float16)
+    small = torch.full((8,), 0.5, dtype=torch.float16)
+    with amp_runtime.guard(policy="record", thresholds=limits) as g:
+        for _ in range(8):
+            total + small
+    assert len(g.report.by_code("AMP110")) == 2
+
+
+def test_imbalanced_low_precision_reduction():
+    limits = Thresholds(sample_every=1)
+    values = torch.full((1000,), 0.01, dtype=torch.bfloat16)
+    values[0] = 1000.0
+    balanced = torch.rand(1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with amp_runtime.guard(policy="record", thresholds=limits, ignore=["AMP004"]) as g:
+        values.sum()
+        balanced.sum()
+        values.float().sum()  # reduced in fp32: fine
+    (event,) = g.report.by_code("AMP111")
+    assert event.op == "sum" and event.details["ratio"] > 1e4
+
+
+def test_no_grad_inference_mode_custom_function_and_shared_weights():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    shared = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        with torch.no_grad():
+            shared(shared(x))
+        with torch.inference_mode():
+            shared(x).sum()
+        out = Double.apply(shared(shared(x).requires_grad_()))
+        out.sum().backward()
+        torch.arange(10).sum()
+        (torch.arange(10) > 3).any()
+        with torch.no_grad():
+            shared.half()(torch.ones(3, 4, dtype=torch.float16))
+    assert [e.code for e in g.report if e.code.startswith("AMP1")] == []
