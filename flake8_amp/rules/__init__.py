@@ -12,6 +12,8 @@ from flake8_amp.rules.amp006 import StepBypassesScaler
 from flake8_amp.rules.amp007 import Fp16OverflowLiteral
 from flake8_amp.rules.amp008 import BackwardUnderAutocast
 from flake8_amp.rules.amp009 import DeprecatedAmpApi
+from flake8_amp.rules.amp010 import ScalerDtypeMismatch
+from flake8_amp.rules.amp011 import TinyEpsilon
 
 RULES = [
     ManualCast,
@@ -23,4 +25,6 @@ RULES = [
     Fp16OverflowLiteral,
     BackwardUnderAutocast,
     DeprecatedAmpApi,
+    ScalerDtypeMismatch,
+    TinyEpsilon,
 ]

@@ -1,0 +1,111 @@
+"""AMP010 scaler-dtype-mismatch: fp16 autocast without a GradScaler, or a GradScaler with bf16.
+
+Judged per function (and per module body, for scripts) from regions whose dtype is known:
+- an fp16 region and a plain ``backward()`` (not ``accelerator.backward(loss)`` or other
+  wrappers, not a manually scaled loss), in a file that uses no ``GradScaler`` and a
+  function that names no scaler (``loss_scaler(loss, optimizer)``);
+- a bf16 region in a function that scales its backward with a scaler that is built
+  enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine).
+The finding is reported where the region is opened.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Tuple
+
+from astroid import nodes
+
+from flake8_amp.analysis.names import names_in
+from flake8_amp.analysis.regions import BF16, FP16, Region
+from flake8_amp.analysis.scaler import calls_in_order, method_call, scaler_analysis
+from flake8_amp.engine import Check, mentions_autocast
+from flake8_amp.rules.amp008 import AUTOGRAD_BACKWARD
+
+_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
+
+
+class ScalerDtypeMismatch(Check):
+    """fp16 gradients underflow without loss scaling; bf16 does not need it."""
+
+    code = "AMP010"
+    triggers = ("autocast",)
+
+    @classmethod
+    def applies(cls, source, options):
+        return mentions_autocast(source, options)
+
+    def __init__(self, context, findings):
+        super().__init__(context, findings)
+        self._file_uses_grad_scaler: Optional[bool] = None
+
+    def visit_module(self, node: nodes.Module) -> None:
+        self._check_scope(node)
+
+    def visit_functiondef(self, node: nodes.FunctionDef) -> None:
+        self._check_scope(node)
+
+    def _check_scope(self, scope: nodes.NodeNG) -> None:
+        entries = list(self._region_entries(scope))
+        fp16 = [opener for opener, region in entries if region.dtype == FP16]
+        bf16 = [opener for opener, region in entries if region.dtype == BF16]
+        if fp16 and self._has_plain_backward(scope) and not self._mentions_scaler(scope):
+            self.report(fp16[0], detail="fp16 autocast and backward() with no GradScaler: small gradients flush to zero")
+        if bf16 and self._scales_with_enabled_scaler(scope):
+            self.report(bf16[0], detail="GradScaler used with bf16 autocast, which needs no loss scaling")
+
+    def _region_entries(self, scope: nodes.NodeNG) -> Iterator[Tuple[nodes.NodeNG, Region]]:
+        """``(expression that opens it, region)`` for each active region opened in ``scope``."""
+        regions = self.context.regions
+        if isinstance(scope, nodes.FunctionDef) and scope.decorators is not None:
+            for decorator in scope.decorators.nodes:
+                region = regions.spec(decorator)
+                if region is not None and region.active:
+                    yield decorator, region
+        for with_node in _own_nodes(scope, nodes.With):
+            for expr, _ in with_node.items:
+                region = regions.spec(expr)
+                if region is not None and region.active:
+                    yield expr, region
+
+    def _has_plain_backward(self, scope: nodes.NodeNG) -> bool:
+        """An unscaled tensor ``backward()`` (wrappers such as ``engine.backward(loss)`` take the loss)."""
+        for call in calls_in_order(scope):
+            if self.context.names.qualname(call.func) in AUTOGRAD_BACKWARD:
+                return True
+            method, receiver = method_call(call)
+            if method == "backward" and not call.args:
+                if not any("scale" in word.lower() for word in names_in([receiver])):
+                    return True
+        return False
+
+    def _scales_with_enabled_scaler(self, scope: nodes.NodeNG) -> bool:
+        flow = scaler_analysis(self.context).flow(scope)
+        return bool(flow.scaled_backwards) and any(scaler.surely_enabled for scaler in flow.scalers.values())
+
+    def _mentions_scaler(self, scope: nodes.NodeNG) -> bool:
+        """The file uses a ``GradScaler``, or the function names a scaler (``loss_scaler``...)."""
+        if self._file_uses_grad_scaler is None:
+            self._file_uses_grad_scaler = any(word.endswith("GradScaler") for word in _identifiers(self.context.module))
+        return self._file_uses_grad_scaler or any("scaler" in word.lower() for word in _identifiers(scope))
+
+
+def _identifiers(node: nodes.NodeNG) -> List[str]:
+    """Every name, attribute name and imported name in ``node``."""
+    words = names_in([node])
+    for sub in node.nodes_of_class((nodes.AssignName, nodes.AssignAttr, nodes.Import, nodes.ImportFrom)):
+        if isinstance(sub, (nodes.Import, nodes.ImportFrom)):
+            words.extend(name for pair in sub.names for name in pair if name)
+        else:
+            words.append(sub.name if isinstance(sub, nodes.AssignName) else sub.attrname)
+    return words
+
+
+def _own_nodes(scope: nodes.NodeNG, kind: type) -> Iterator[nodes.NodeNG]:
+    """Nodes of ``kind`` in ``scope``, not in nested functions, classes or lambdas."""
+    stack = list(scope.get_children())
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _SCOPES):
+            continue
+        if isinstance(node, kind):
+            yield node
+        stack.extend(node.get_children())

@@ -1,0 +1,113 @@
+"""AMP011 tiny-epsilon: an epsilon below fp16's smallest subnormal guarding fp16 values.
+
+Reported where the dtype flow knows the values are fp16: ``x + 1e-8``, ``x.add(1e-8)``,
+``x.clamp(min=1e-8)`` / ``clamp_min``; and Adam-family optimizers whose ``eps`` (given
+or default) is that small, built over ``model.parameters()`` of a model cast to fp16 in
+the same function. bf16 shares fp32's exponent range, so 1e-8 is fine there.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from astroid import nodes
+
+from flake8_amp.analysis.dtypes import FP16
+from flake8_amp.analysis.scaler import calls_in_order, expression_key, method_call
+from flake8_amp.catalog import FP16_TINY_SUBNORMAL
+from flake8_amp.engine import Check
+from flake8_amp.rules.amp007 import numeric_constant
+
+#: Default ``eps`` of the optimizers that divide by ``sqrt(v) + eps``.
+OPTIMIZER_DEFAULT_EPS = {
+    "torch.optim.Adam": 1e-8,
+    "torch.optim.AdamW": 1e-8,
+    "torch.optim.Adamax": 1e-8,
+    "torch.optim.NAdam": 1e-8,
+    "torch.optim.RAdam": 1e-8,
+    "torch.optim.RMSprop": 1e-8,
+    "torch.optim.Adagrad": 1e-10,
+}
+ADD_METHODS = frozenset({"add", "add_"})
+CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"})
+CLAMP_FUNCTIONS = frozenset({"torch.clamp", "torch.clip", "torch.clamp_min"})
+FP16_CASTS = frozenset({"half", "to", "type"})
+
+
+def _is_tiny(value: Optional[float]) -> bool:
+    return value is not None and 0 < value < FP16_TINY_SUBNORMAL
+
+
+class TinyEpsilon(Check):
+    """The epsilon rounds to exactly zero in fp16, so the guarded division or log is not guarded."""
+
+    code = "AMP011"
+    triggers = ("e-",)
+
+    def visit_binop(self, node: nodes.BinOp) -> None:
+        if node.op != "+":
+            return
+        for epsilon, tensor in ((node.right, node.left), (node.left, node.right)):
+            value = numeric_constant(epsilon, self.context.names)
+            if _is_tiny(value) and self.context.dtypes.of(tensor) == FP16:
+                self.report(node, value=f"{value:g}")
+                return
+
+    def visit_call(self, node: nodes.Call) -> None:
+        guarded = self._guarded_value(node)
+        if guarded is not None:
+            tensor, epsilon = guarded
+            value = numeric_constant(epsilon, self.context.names)
+            if _is_tiny(value) and self.context.dtypes.of(tensor) == FP16:
+                self.report(node, value=f"{value:g}")
+            return
+        self._check_optimizer(node)
+
+    def _guarded_value(self, node: nodes.Call) -> Optional[Tuple[nodes.NodeNG, Optional[nodes.NodeNG]]]:
+        """``(tensor, epsilon)`` of ``x.add(eps)``, ``x.clamp(min=eps)``, ``torch.clamp(x, eps)``."""
+        qualname = self.context.names.qualname(node.func)
+        if qualname is None:
+            method, receiver = method_call(node)
+            if method in ADD_METHODS:
+                return receiver, node.args[0] if node.args else None
+            if method in CLAMP_METHODS:
+                return receiver, _argument(node, 0, "min")
+            return None
+        if qualname == "torch.add" and len(node.args) == 2:
+            return node.args[0], node.args[1]
+        if qualname in CLAMP_FUNCTIONS and node.args:
+            return node.args[0], _argument(node, 1, "min")
+        return None
+
+    def _check_optimizer(self, node: nodes.Call) -> None:
+        callee = self.context.names.callee(node)
+        if callee is None or callee.instance or callee.qualname not in OPTIMIZER_DEFAULT_EPS:
+            return
+        given = callee.keyword("eps")
+        value = OPTIMIZER_DEFAULT_EPS[callee.qualname] if given is None else numeric_constant(given, self.context.names)
+        if not _is_tiny(value):
+            return
+        params = callee.argument(0, "params")
+        method, model = method_call(params) if isinstance(params, nodes.Call) else ("", None)
+        if method == "parameters" and model is not None and self._cast_to_fp16(node, model):
+            label = f"{value:g}" if given is not None else f"{value:g} (the default eps)"
+            self.report(node, value=label)
+
+    def _cast_to_fp16(self, node: nodes.Call, model: nodes.NodeNG) -> bool:
+        """``model`` holds an fp16 model here: bound to a cast, or cast in place in this scope."""
+        if self.context.dtypes.of(model) == FP16:
+            return True
+        key = expression_key(model)
+        if key is None:
+            return False
+        for call in calls_in_order(node.scope()):
+            method, receiver = method_call(call)
+            if method in FP16_CASTS and expression_key(receiver) == key and self.context.dtypes.of(call) == FP16:
+                return True
+        return False
+
+
+def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.NodeNG]:
+    for kw in call.keywords or ():
+        if kw.arg == keyword:
+            return kw.value
+    return call.args[position] if position < len(call.args) else None

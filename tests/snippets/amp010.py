@@ -1,0 +1,235 @@
+"""AMP010 scaler-dtype-mismatch, first half: fp16 autocast and backward with no GradScaler.
+
+This file must not mention a gradient scaler anywhere: the rule looks at the whole file.
+The other half (a scaler used with bf16) is in amp010_bf16_with_scaler.py.
+"""
+import contextlib
+import functools
+
+import torch
+from torch import autocast
+
+fp16_ctx = torch.autocast("cuda", dtype=torch.float16)
+fp16_partial = functools.partial(torch.autocast, "cuda", dtype=torch.float16)
+PTDTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ctx = contextlib.nullcontext() if PTDTYPE else torch.amp.autocast("cuda", dtype=PTDTYPE["float16"])
+
+
+# ---------------------------------------------------------------- positives
+
+
+def explicit_fp16(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def explicit_half(model, batch, optimizer):
+    with torch.amp.autocast("cuda", dtype=torch.half):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def cuda_default_dtype(model, batch, optimizer):
+    with torch.autocast(device_type="cuda"):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def cpu_fp16(model, batch, optimizer):
+    with torch.autocast("cpu", dtype=torch.float16):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def imported_autocast(model, batch, optimizer):
+    with autocast("cuda", dtype=torch.float16):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def autograd_backward(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        loss = model(batch)
+    torch.autograd.backward(loss)
+    optimizer.step()
+
+
+def in_training_loop(model, loader, optimizer, accum_steps):
+    for step, batch in enumerate(loader):
+        with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+            loss = model(batch) / accum_steps
+        loss.backward()
+        if (step + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def enabled_literal(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16, enabled=True):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def module_context_variable(model, batch, optimizer):
+    with fp16_ctx:  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def partial_context(model, batch, optimizer):
+    with fp16_partial():  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+class Trainer:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    def train_step(self, batch):
+        self.optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+            loss = self.model(batch)
+        loss.backward()
+        self.optimizer.step()
+
+
+def divided_backward(model, batch, optimizer, accum):
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        loss = model(batch)
+    (loss / accum).backward()
+    optimizer.step()
+
+
+def multi_item_with(model, batch, optimizer):
+    with torch.enable_grad(), torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def two_losses(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        loss_a, loss_b = model(batch)
+    (loss_a + loss_b).backward()
+    optimizer.step()
+
+
+def backward_of_sum(model, batch, optimizer):
+    with torch.autocast(device_type="cuda", dtype=torch.float16):  # AMP010
+        out = model(batch)
+    out.sum().backward()
+    optimizer.step()
+
+
+# ---------------------------------------------------------------- negatives
+
+
+def bf16_without_scaler(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def cpu_default_is_bf16(model, batch, optimizer):
+    with torch.autocast("cpu"):
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def fp16_inference(model, batch):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        return model(batch)
+
+
+def fp16_forward_only(model, batch, criterion):
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(batch)
+        return criterion(out, batch)
+
+
+def unknown_dtype(model, batch, optimizer, amp_dtype):
+    with torch.autocast("cuda", dtype=amp_dtype):
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def nanogpt_context(model, batch, optimizer):
+    with ctx:
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def disabled_region(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16, enabled=False):
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def accelerate_backward(accelerator, model, batch, optimizer):
+    with accelerator.autocast():
+        loss = model(batch)
+    accelerator.backward(loss)
+    optimizer.step()
+
+
+def deepspeed_engine(model_engine, batch):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model_engine(batch)
+    model_engine.backward(loss)
+    model_engine.step()
+
+
+def lightning_manual_backward(self, batch):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = self.model(batch)
+    self.manual_backward(loss)
+
+
+def timm_loss_scaler(model, batch, optimizer, loss_scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    loss_scaler(loss, optimizer, parameters=model.parameters())
+
+
+def static_loss_scale(model, batch, optimizer, loss_scale):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    (loss * loss_scale).backward()
+    for param in model.parameters():
+        param.grad.div_(loss_scale)
+    optimizer.step()
+
+
+def mmengine_wrapper(model, batch, optim_wrapper):
+    with optim_wrapper.optim_context(model):
+        loss = model(batch)
+    optim_wrapper.update_params(loss)
+
+
+def fp32_training(model, batch, optimizer):
+    loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def apex_amp(model, batch, optimizer, amp):
+    loss = model(batch)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()

@@ -1,0 +1,186 @@
+"""AMP011 tiny-epsilon: epsilons below fp16's smallest subnormal (5.96e-8) on fp16 values."""
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.optim import AdamW
+
+EPS = 1e-10
+SAFE_EPS = 1e-6
+
+
+# ---------------------------------------------------------------- positives
+
+
+def log_of_probs(n):
+    probs = torch.rand(n, dtype=torch.float16)
+    return torch.log(probs + 1e-8)  # AMP011
+
+
+def divide_by_norm(n):
+    x = torch.randn(n, dtype=torch.float16)
+    norm = torch.ones(n, dtype=torch.float16)
+    return x / (norm + 1e-10)  # AMP011
+
+
+def clamp_guard(n):
+    probs = torch.rand(n, dtype=torch.half)
+    return probs.clamp(min=1e-8).log()  # AMP011
+
+
+def torch_clamp_guard(n):
+    probs = torch.rand(n, dtype=torch.float16)
+    return torch.log(torch.clamp(probs, min=1e-12))  # AMP011
+
+
+def clamp_min_guard(n):
+    probs = torch.rand(n, dtype=torch.float16)
+    return torch.log(probs.clamp_min(1e-9))  # AMP011
+
+
+def sqrt_guard(n):
+    var = torch.rand(n, dtype=torch.float16)
+    return torch.sqrt(var + 1e-10)  # AMP011
+
+
+def add_method(n):
+    x = torch.rand(n, dtype=torch.float16)
+    return x.add(1e-8)  # AMP011
+
+
+def add_inplace(n):
+    x = torch.rand(n, dtype=torch.float16)
+    x.add_(1e-8)  # AMP011
+    return x
+
+
+def local_epsilon(n):
+    eps = 1e-8
+    x = torch.rand(n, dtype=torch.float16)
+    return 1.0 / (x + eps)  # AMP011
+
+
+def module_epsilon(n):
+    x = torch.rand(n, dtype=torch.float16)
+    return torch.log(x + EPS)  # AMP011
+
+
+def reversed_operands(n):
+    x = torch.rand(n, dtype=torch.float16)
+    return torch.log(1e-8 + x)  # AMP011
+
+
+def adam_default_over_half_model(model_cls):
+    model = model_cls().half()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # AMP011
+    return model, optimizer
+
+
+def adamw_explicit_eps(model):
+    model.half()
+    return AdamW(model.parameters(), lr=1e-4, eps=1e-8)  # AMP011
+
+
+def adam_tiny_eps_after_to(model):
+    model = model.to(torch.float16)
+    return torch.optim.Adam(model.parameters(), eps=1e-10)  # AMP011
+
+
+def rmsprop_default(model):
+    model.half()
+    return torch.optim.RMSprop(model.parameters(), lr=1e-3)  # AMP011
+
+
+# ---------------------------------------------------------------- negatives
+
+
+def representable_epsilon(n):
+    probs = torch.rand(n, dtype=torch.float16)
+    return torch.log(probs + 1e-6)
+
+
+def module_safe_epsilon(n):
+    probs = torch.rand(n, dtype=torch.float16)
+    return torch.log(probs + SAFE_EPS)
+
+
+def fp32_values(n):
+    probs = torch.rand(n)
+    return torch.log(probs + 1e-8)
+
+
+def explicit_upcast(n):
+    probs = torch.rand(n, dtype=torch.float16)
+    return torch.log(probs.float() + 1e-8)
+
+
+def unknown_dtype(probs):
+    return torch.log(probs + 1e-8)
+
+
+def bf16_values(n):
+    probs = torch.rand(n, dtype=torch.bfloat16)
+    return torch.log(probs + 1e-8)
+
+
+def adam_over_fp32_model(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+
+
+def adam_representable_eps(model):
+    model.half()
+    return torch.optim.Adam(model.parameters(), eps=1e-4)
+
+
+def adam_over_fp32_master_params(model):
+    model.half()
+    master = [p.detach().clone().float() for p in model.parameters()]
+    return torch.optim.Adam(master, lr=1e-3)
+
+
+def export_half(model, path):
+    torch.save(model.half().state_dict(), path)
+
+
+def adam_in_other_function(model):
+    return torch.optim.Adam(model.parameters())
+
+
+def finfo_epsilon(n):
+    x = torch.rand(n, dtype=torch.float16)
+    return torch.log(x + torch.finfo(x.dtype).tiny)
+
+
+def tiny_learning_rate(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-8)
+
+
+def python_numbers(total, count):
+    return total / (count + 1e-8)
+
+
+def numpy_values(arr):
+    return np.log(np.asarray(arr, dtype=np.float16) + 1e-8)
+
+
+def scaling_is_not_an_epsilon(n):
+    x = torch.rand(n, dtype=torch.float16)
+    return x * 1e-8
+
+
+def layer_norm_eps(x):
+    return F.layer_norm(x, x.shape[-1:], eps=1e-12)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16, eps=1e-12)
+
+    def forward(self, x):
+        return self.norm(x) / (x.std() + 1e-8)
+
+
+def bf16_model_adam(model):
+    model = model.bfloat16()
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
