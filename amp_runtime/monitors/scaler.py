@@ -301,3 +301,17 @@ def monitors(guard):
 def watch_of(guard) -> Optional[ScalerWatch]:
     """The guard's ScalerWatch (attached by every guard)."""
     return next((m for m in guard.monitors if isinstance(m, ScalerWatch)), None)
+
+
+def called_from(names, filename_suffix: str, depth: int = 8) -> Optional[str]:
+    """The name of the innermost calling function among ``names`` defined in a file ending with
+    ``filename_suffix``, or None (a short frame walk, for handlers that fire rarely)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name in names and code.co_filename.endswith(filename_suffix):
+            return code.co_name
+        frame = frame.f_back
+    return None
