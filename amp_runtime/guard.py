@@ -36,7 +36,9 @@ TRACE_MODES = ("off", "auto", "always")
 #: Modules contributing monitors, each through ``monitors(guard) -> Iterable[Monitor]``,
 #: in attach order. Step detection comes last so that it sees the others installed.
 MONITOR_MODULES = (
-    "amp_runtime.rules",
+    *(f"amp_runtime.rules.{code}" for code in (
+        "amp001", "amp002", "amp003", "amp004", "amp005", "amp006", "amp007", "amp008", "amp010", "amp011",
+    )),
     "amp_runtime.monitors.forward",
     "amp_runtime.monitors.scaler",
     "amp_runtime.monitors.grads",

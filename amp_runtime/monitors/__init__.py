@@ -8,7 +8,9 @@ torch function, so an op no check cares about costs one dict look-up.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, NamedTuple, Optional, Tuple
+
+import torch
 
 #: ``before(func, args, kwargs)`` runs before the op; it may call ``guard.emit``.
 Before = Callable[[Any, tuple, dict], None]
@@ -59,3 +61,35 @@ class Monitor:
         """Remove every hook this monitor installed."""
         while self._handles:
             self._handles.pop().remove()
+
+
+# -- helpers shared by the checks -------------------------------------------------------
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def tensors_in(value) -> Iterator[torch.Tensor]:
+    """Tensors in an op's argument or result, one level into lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def peak(tensor: torch.Tensor) -> torch.Tensor:
+    """max |x| as a device scalar (NaN if any element is NaN): one reduction that answers
+    NaN, Inf and headroom to the dtype's largest value."""
+    return torch.linalg.vector_norm(tensor.detach(), float("inf"))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """An op's argument given by position or keyword."""
+    if len(args) > position:
+        return args[position]
+    return kwargs.get(name, default)

@@ -19,16 +19,14 @@ is taken as the first cause.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from ..monitors import Monitor, OpHandler
+from ..monitors import LOW_PRECISION, Monitor, OpHandler, dtype_name, peak, tensors_in
 from ..tracking import user_source
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 TRACED_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
-_INF = float("inf")
 
 Judge = Callable[[List[float], Dict[str, Any]], None]
 
@@ -52,25 +50,6 @@ UNTRACED_FUNCTIONS = frozenset((
     # uninitialised memory may hold anything
     torch.empty, torch.empty_like, torch.empty_strided, _T.new_empty,
 ))
-
-
-def tensors_in(value) -> Iterator[torch.Tensor]:
-    """Tensors in an op's argument or result, one level into lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
-
-
-def peak(tensor: torch.Tensor) -> torch.Tensor:
-    """max |x| as a device scalar (NaN if any element is NaN)."""
-    return torch.linalg.vector_norm(tensor.detach(), _INF)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def nonfinite_kind(value: float) -> str:

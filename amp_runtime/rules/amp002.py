@@ -1,0 +1,38 @@
+"""AMP002 loss-outside-autocast: a loss runs with autocast off on low-precision inputs.
+
+Autocast would run the loss in fp32; outside the region it runs in the inputs' fp16/bf16.
+The input must be part of a training graph (``requires_grad`` with grad mode on).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..monitors import LOW_PRECISION, Monitor, OpHandler, dtype_name
+
+LOSS_FUNCTIONS = (
+    F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+    F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.kl_div, F.soft_margin_loss,
+    F.multilabel_soft_margin_loss, F.poisson_nll_loss, F.gaussian_nll_loss,
+)
+
+
+class LossOutsideAutocast(Monitor):
+    codes = ("AMP002",)
+
+    def op_handlers(self):
+        return {func: OpHandler(before=self._check_loss) for func in LOSS_FUNCTIONS}
+
+    def _check_loss(self, func, args, kwargs) -> None:
+        prediction = args[0] if args else kwargs.get("input")
+        if not isinstance(prediction, torch.Tensor) or prediction.dtype not in LOW_PRECISION:
+            return
+        if torch.is_autocast_enabled(prediction.device.type):
+            return
+        if prediction.requires_grad and torch.is_grad_enabled():
+            self.guard.emit("AMP002", op=func, loss=func.__name__,
+                            arg=f"its {dtype_name(prediction.dtype)} input")
+
+
+def monitors(guard):
+    return [LossOutsideAutocast()]

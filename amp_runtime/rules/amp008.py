@@ -1,0 +1,29 @@
+"""AMP008 backward-under-autocast: backward starts while autocast is on for the loss's device.
+
+Autocast should wrap the forward pass and the loss only; backward ops already run in the
+dtype their forward ops chose.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..monitors import Monitor, OpHandler, tensors_in
+
+BACKWARD_FUNCTIONS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+class BackwardUnderAutocast(Monitor):
+    codes = ("AMP008",)
+
+    def op_handlers(self):
+        return {func: OpHandler(before=self._check) for func in BACKWARD_FUNCTIONS}
+
+    def _check(self, func, args, kwargs) -> None:
+        roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs", ()))
+        devices = {t.device.type for t in tensors_in(roots)}
+        if any(torch.is_autocast_enabled(device) for device in devices):
+            self.guard.emit("AMP008", op="backward")
+
+
+def monitors(guard):
+    return [BackwardUnderAutocast()]
