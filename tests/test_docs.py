@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import re
 import subprocess
+import warnings
 import sys
 from pathlib import Path
 
@@ -172,3 +173,33 @@ def test_use_instead_is_clean(code, example_findings):
     marked, found = example_findings[(code, "Use instead")]
     assert marked == set()
     assert found == {}
+
+
+RUNTIME_ONLY = sorted(c for c, r in RULES.items() if r.enforcers == {RUNTIME})
+#: Known gaps of the runtime enforcer, where a page's example shows a real case it misses.
+RUNTIME_GAPS = {
+    "AMP106": "gradients that underflow in a real fp16 backward are already exactly zero when "
+              "the guard reads them, and zeros are not counted",
+}
+
+
+def guarded_events(source, name):
+    """Codes the guard records while the documented code runs (its own guard nests inside)."""
+    amp_runtime = pytest.importorskip("amp_runtime")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with amp_runtime.guard(policy="record") as outer:
+            exec(compile(source, name, "exec"), {"__name__": name})
+    return {event.code for event in outer.report.events}
+
+
+@pytest.mark.parametrize("code", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=RUNTIME_GAPS[c])) if c in RUNTIME_GAPS else c
+    for c in RUNTIME_ONLY
+])
+def test_runtime_example_triggers_its_code_and_the_fix_is_quiet(code):
+    page_sections = sections(page(code))
+    (example,), (fixed,) = python_blocks(page_sections["Example"]), python_blocks(page_sections["Use instead"])
+    assert code in {m.group(1) for m in MARKER.finditer(example)}, f"mark the example line with '# {code}'"
+    assert code in guarded_events(example, f"{code}_example")
+    assert guarded_events(fixed, f"{code}_use_instead") == set()
