@@ -4,9 +4,10 @@
 float32 and under ``torch.autocast`` with ``dtype`` — and compares every module's
 output. Errors accumulate downstream, so the output error of a late layer says little
 about where the precision went; each module is therefore also re-run on its exact
-float32 inputs with its submodules kept in float32 (the error of its *own* code).
-Modules whose own error is well beyond the rounding of ``dtype`` are named as the ones
-to keep in float32, with a snippet that does it.
+input values (in the dtypes autocast gave them) with its submodules kept in float32:
+the error of its *own* code. Modules whose own error is well beyond the rounding of
+``dtype``, or that amplify the rounding error they receive, are named as the ones to
+keep in float32, with a snippet that does it.
 
 The comparison is deterministic (a fixed seed before every run) and leaves the model
 as it found it: training flags, parameters, buffers and the global RNG state.
@@ -79,8 +80,8 @@ class ModuleError:
     kind: str
     #: End to end: this module's output in the autocast run against the float32 run.
     output: ErrorStats
-    #: This module's own code: re-run under autocast on its exact float32 inputs with
-    #: its submodules kept in float32.
+    #: This module's own code: re-run under autocast on its exact input values (in the
+    #: dtypes they had under autocast) with its submodules kept in float32.
     own: Optional[ErrorStats]
     #: The inputs it received in the autocast run against those of the float32 run.
     inputs: Optional[ErrorStats] = None
@@ -227,8 +228,10 @@ def compare(
                 continue
             m_args, m_kwargs = ref_inputs[name]
             own_ref = _flat_output(_run(module, m_args, m_kwargs, device_type, None))
+            # exact values, in the dtypes they arrive in under autocast
+            low_args, low_kwargs = _cast_like(ref_inputs[name], low_inputs[name])
             with _children_in_fp32(module, device_type):
-                own_low = _flat_output(_run(module, m_args, m_kwargs, device_type, dtype))
+                own_low = _flat_output(_run(module, low_args, low_kwargs, device_type, dtype))
             own = ErrorStats.between(own_ref, own_low) if own_ref is not None and own_low is not None else None
             ref_in, low_in = _flat_output(ref_inputs[name]), _flat_output(low_inputs[name])
             inputs = None if ref_in is None or low_in is None else ErrorStats.between(ref_in, low_in)
@@ -397,6 +400,19 @@ def _clone(value):
     if isinstance(value, (list, tuple)):
         return type(value)(map(_clone, value))
     return value
+
+
+def _cast_like(reference, low):
+    """``reference``'s tensors cast to the dtypes of the matching tensors in ``low``."""
+    if torch.is_tensor(reference) and torch.is_tensor(low):
+        return reference.to(low.dtype) if reference.is_floating_point() and low.is_floating_point() else reference
+    if isinstance(reference, dict) and isinstance(low, dict):
+        return {k: _cast_like(v, low.get(k)) for k, v in reference.items()}
+    if isinstance(reference, tuple) and hasattr(reference, "_fields"):  # namedtuple
+        return type(reference)(*(_cast_like(r, x) for r, x in zip(reference, low)))
+    if isinstance(reference, (list, tuple)) and isinstance(low, (list, tuple)) and len(reference) == len(low):
+        return type(reference)(_cast_like(r, x) for r, x in zip(reference, low))
+    return reference
 
 
 def _device_type(model, args, kwargs) -> str:

@@ -69,7 +69,8 @@ def test_healthy_model_in_bf16_needs_nothing_and_metrics_are_sane():
     assert first.output.cosine > 0.999
     assert 0 < first.output.mismatch_fraction <= 1
     assert first.output.max_abs > 0 and first.output.numel == 16 * 32
-    assert result.module("1").own.rel_l2 == 0  # ReLU computes nothing in low precision
+    # ReLU adds no error of its own: what it shows is its input stored in bf16
+    assert 0 < result.module("1").own.rel_l2 <= first.output.rel_l2
     assert result.output_error() == result.module("(model)").output.rel_l2
 
 

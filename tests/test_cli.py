@@ -1,0 +1,159 @@
+"""python -m amp_runtime ..., run as users run it, on small real scripts."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from amp_runtime.cli import main
+
+
+def amp_runtime(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "amp_runtime", *map(str, args)],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def script(path, body):
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    return path
+
+
+OVERFLOW = """\
+    import torch
+    x = torch.full((2, 4), 300.0, dtype=torch.float16)
+    y = x * x  # inf in fp16
+"""
+
+
+def test_run_executes_the_script_as_main_with_its_argv_path_and_exit_code(tmp_path):
+    (tmp_path / "sub").mkdir()
+    script(tmp_path / "sub" / "train.py", """\
+        import json, pickle, sys
+
+        class Config:
+            pass
+
+        pickle.dumps(Config())  # classes of the script are __main__.Config
+        print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__}))
+        sys.exit(3)
+    """)
+    result = amp_runtime("run", "--out", "out", "sub/train.py", "--epochs", "1", "--x", cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen == {"argv": ["sub/train.py", "--epochs", "1", "--x"],
+                    "path0": str((tmp_path / "sub").resolve()), "name": "__main__"}
+    assert "amp_runtime: no events" in result.stderr
+    assert (tmp_path / "out" / "events.jsonl").exists()
+
+
+def test_run_reports_events_and_builds_the_report(tmp_path):
+    script(tmp_path / "overflow.py", OVERFLOW)
+    result = amp_runtime("run", "--trace", "always", "overflow.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "AMP101" in result.stderr and "overflow.py:3" in result.stderr
+    assert "code    sev  count" in result.stderr  # the summary table
+    report = tmp_path / "amp-report" / "report.html"
+    assert f"amp_runtime: report at {report.relative_to(tmp_path)}" in result.stderr
+    assert "AMP101" in report.read_text(encoding="utf-8")
+
+    again = amp_runtime("report", "amp-report", "--out", "page.html", cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout.strip() == "page.html"
+    assert (tmp_path / "page.html").read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+def test_run_options_select_policy_and_no_report(tmp_path):
+    script(tmp_path / "overflow.py", OVERFLOW)
+    ignored = amp_runtime("run", "--trace", "always", "--ignore", "AMP101,AMP102", "--no-report",
+                          "overflow.py", cwd=tmp_path)
+    assert ignored.returncode == 0 and "amp_runtime: no events" in ignored.stderr
+    assert not (tmp_path / "amp-report" / "report.html").exists()
+    assert (tmp_path / "amp-report" / "events.jsonl").exists()
+
+    raised = amp_runtime("run", "--trace", "always", "--policy", "raise", "overflow.py", cwd=tmp_path)
+    assert raised.returncode == 1
+    assert 'File "' in raised.stderr and "overflow.py\", line 3" in raised.stderr
+    assert "GuardError: AMP101" in raised.stderr
+
+
+def test_a_failing_script_shows_its_own_traceback_and_exit_status(tmp_path):
+    script(tmp_path / "fails.py", """\
+        def main():
+            raise ValueError("bad batch")
+
+        main()
+    """)
+    result = amp_runtime("run", "fails.py", cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert 'fails.py", line 4, in <module>' in lines[1]
+    assert "ValueError: bad batch" in result.stderr
+    assert "amp_runtime" not in "\n".join(lines[:6])  # no frames of the runner
+
+
+def test_doctor_text_and_json(tmp_path):
+    text = amp_runtime("doctor", cwd=tmp_path)
+    assert text.returncode == 0 and "Recommended on" in text.stdout
+    data = json.loads(amp_runtime("doctor", "--json", cwd=tmp_path).stdout)
+    assert data["recommendations"][0]["dtype"] in ("bfloat16", "float16", "float32")
+
+
+def test_compare_imports_a_factory_and_names_the_module_to_keep(tmp_path):
+    script(tmp_path / "model.py", """\
+        import torch
+        from torch import nn
+
+        class Square(nn.Module):
+            def forward(self, x):
+                return x * x
+
+        def example():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), Square(), nn.Linear(8, 2))
+            return model, torch.randn(4, 8) * 2000
+    """)
+    text = amp_runtime("compare", "model.py:example", "--dtype", "float16", cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "Keep in float32:\n  1: its own code overflows to NaN/Inf" in text.stdout
+    assert "def keep_fp32(module):" in text.stdout
+    data = json.loads(amp_runtime("compare", "model:example", "--json", "--dtype", "float16", cwd=tmp_path).stdout)
+    assert data["keep_fp32"] == ["1"] and data["dtype"] == "float16"
+
+
+@pytest.mark.parametrize("command", [(), ("run",), ("report",), ("doctor",), ("compare",)])
+def test_every_command_has_help(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m amp_runtime")
+
+
+BAD_INPUT = [
+    ((), "the following arguments are required: COMMAND"),
+    (("bogus",), "invalid choice: 'bogus'"),
+    (("run",), "the following arguments are required: SCRIPT"),
+    (("run", "missing.py"), "run: missing.py: no such file"),
+    (("run", "--trace", "sometimes", "x.py"), "invalid choice: 'sometimes'"),
+    (("run", "--select", ",", "x.py"), "expected AMP codes"),
+    (("report", "nowhere"), "report: nowhere: no such directory"),
+    (("report", "."), "neither events.jsonl nor metrics.jsonl"),
+    (("compare", "nocolon"), "is not MODULE:FACTORY"),
+    (("compare", "no_such_module:f"), "cannot import no_such_module"),
+    (("compare", "missing.py:f"), "missing.py: no such file"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_bad_input_through_the_real_command_line(tmp_path):
+    for args, message in (BAD_INPUT[0], BAD_INPUT[3], BAD_INPUT[7]):
+        result = amp_runtime(*args, cwd=tmp_path)
+        assert result.returncode == 2
+        assert result.stderr.count("\n") == 1 and message in result.stderr
