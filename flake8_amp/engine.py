@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Sequence, Tuple, Type
 
 from astroid import nodes
-from astroid.builder import AstroidBuilder
 from astroid.manager import AstroidManager
 from astroid.rebuilder import TreeRebuilder
 
@@ -152,17 +151,21 @@ def build_module(tree: ast.Module, source: str, filename: str = "") -> nodes.Mod
     ``astroid.parse`` would run astroid's post-build steps, which infer the target of
     every attribute assignment (``torch.backends.cudnn.benchmark = True`` makes astroid
     import and parse torch: seconds per process) and apply brain transforms. Building
-    with the tree rebuilder alone keeps the linter torch-free and fast; ``from x
-    import y`` names are then added to scope locals here, as astroid would (star
-    imports are left out: resolving them means importing the module).
+    with the tree rebuilder alone keeps the linter torch-free and fast (it also skips
+    building astroid's model of ``builtins``); ``from x import y`` names are then added
+    to scope locals here, as astroid would (star imports are left out: resolving them
+    means importing the module).
     """
-    manager = AstroidManager()
-    rebuilder = TreeRebuilder(manager, source)
+    rebuilder = TreeRebuilder(AstroidManager(), source)
     module = rebuilder.visit_module(tree, "", filename or "<unknown>", False)
-    builder = AstroidBuilder(manager, apply_transforms=False)
     for import_from, global_names in rebuilder._import_from_nodes:
-        if all(name != "*" for name, _ in import_from.names):
-            builder.add_from_names_to_locals(import_from, global_names)
+        for name, alias in import_from.names:
+            if name == "*":
+                continue
+            local = alias or name
+            owner = module if local in global_names else import_from.parent
+            owner.set_local(local, import_from)
+            owner.scope().locals[local].sort(key=lambda node: node.fromlineno or 0)
     return module
 
 

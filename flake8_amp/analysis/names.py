@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from astroid import nodes
+from astroid.manager import AstroidManager
 
 #: Module paths that re-export the same objects under a shorter public name.
 _CANONICAL_PREFIXES: Tuple[Tuple[str, str], ...] = (
@@ -85,6 +86,9 @@ class Names:
     def __init__(self, context):
         self.context = context
         self._class_attributes: Dict[nodes.ClassDef, Dict[str, List[nodes.NodeNG]]] = {}
+        # Every rule asks about the same calls: answers are cached per node.
+        self._bindings: Dict[nodes.Name, List[nodes.NodeNG]] = {}
+        self._callees: Dict[nodes.Call, Optional[Callee]] = {}
 
     # -- assignments -------------------------------------------------------------------
 
@@ -94,13 +98,18 @@ class Names:
         Import nodes, function/class definitions, or ``AssignName`` nodes; empty for
         builtins and unknown names.
         """
-        try:
-            scope, statements = name.lookup(name.name)
-        except Exception:  # astroid lookup on unusual trees: treat as unknown
-            return []
-        if isinstance(scope, nodes.Module) and scope is not name.root():
-            return []  # builtins
-        return list(statements)
+        found = self._bindings.get(name)
+        if found is None and not _defined_in_module(name):
+            found = self._bindings[name] = []  # a builtin or undefined: skip astroid's builtins lookup
+        if found is None:
+            try:
+                scope, statements = _lookup(name)
+            except Exception:  # astroid lookup on unusual trees: treat as unknown
+                scope, statements = None, ()
+            if isinstance(scope, nodes.Module) and scope is not name.root():
+                statements = ()  # builtins
+            found = self._bindings[name] = list(statements)
+        return found
 
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
@@ -217,8 +226,14 @@ class Names:
 
     def callee(self, call: nodes.Call, _depth: int = 0) -> Optional[Callee]:
         """What ``call`` calls, following ``partial`` bindings and instances; None if unknown."""
+        if call in self._callees:
+            return self._callees[call]
         if _depth > _MAX_DEPTH:
             return None
+        callee = self._callees[call] = self._resolve_callee(call, _depth)
+        return callee
+
+    def _resolve_callee(self, call: nodes.Call, _depth: int) -> Optional[Callee]:
         func = call.func
         qualname = self.qualname(func)
         if qualname is not None:
@@ -260,6 +275,30 @@ class Names:
 
 
 # -- small tree helpers shared by the analyses -------------------------------------------
+
+
+def _lookup(name: nodes.Name):
+    """astroid's scope lookup. A few lookups (names in class-level decorators) consult
+    astroid's model of ``builtins``, which is built on first need only (~0.1 s)."""
+    try:
+        return name.lookup(name.name)
+    except KeyError:
+        manager = AstroidManager()
+        if "builtins" in manager.astroid_cache:
+            raise
+        manager.bootstrap()
+        return name.lookup(name.name)
+
+
+def _defined_in_module(name: nodes.Name) -> bool:
+    """Some scope enclosing ``name`` binds it (else astroid would look in builtins)."""
+    scope = name.scope()
+    while True:
+        if name.name in scope.locals:
+            return True
+        if scope.parent is None:
+            return False
+        scope = scope.parent.scope()
 
 
 def assigned_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
