@@ -7,7 +7,9 @@ second-order interaction ``(sum v)^2`` of those batches exceeds fp16's maximum o
 The forward pass turns to inf, GradScaler skips the step and halves the loss scale,
 and the run keeps losing steps without any error. Under
 ``python -m amp_runtime run examples/train_overflow.py`` the guard pins the first
-non-finite op to ``interaction`` and reports the declining loss scale.
+non-finite op to ``interaction`` (AMP101), flags the fp16 sums there that CPU autocast
+leaves in low precision (AMP004, which the linter cannot see: the dtype is only known
+at run time) and reports the declining loss scale (AMP108).
 """
 import argparse
 

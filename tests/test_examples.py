@@ -111,7 +111,9 @@ def test_guard_is_quiet_on_the_healthy_script():
 
 
 def test_guard_pins_the_overflow_to_the_interaction_layer_and_sees_the_scale_decline():
+    """What train_overflow.py's docstring promises: AMP101 and AMP004 in ``interaction``, AMP108."""
     events = guarded_run("train_overflow", 24)
     forward = [e for e in events if e.code == "AMP101"]
     assert forward and all(e.module == "interaction" and e.op == "pow" for e in forward)
+    assert any(e.code == "AMP004" and e.module == "interaction" for e in events)
     assert any(e.code == "AMP108" for e in events)
