@@ -84,7 +84,7 @@ class GradContext:
         """``node`` is in code meant for inference, evaluation or export (see module doc)."""
         if self.file_is_inference:
             return True
-        scope = node.scope()
+        scope = node.frame()
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
@@ -96,7 +96,7 @@ class GradContext:
     def training_at(self, node: nodes.NodeNG) -> bool:
         """There is positive evidence that ``node`` is training code: its scope (or the
         enclosing class) calls ``.backward()``/``.zero_grad()`` or is named for training."""
-        scope = node.scope()
+        scope = node.frame()
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):

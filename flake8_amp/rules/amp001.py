@@ -84,7 +84,7 @@ class ManualCast(Check):
         receiver = func.expr
         if isinstance(receiver, nodes.Call) and simple_name(receiver.func) == "deepcopy":
             return True
-        return "save" in self.context.grad.called_names(node.scope())
+        return "save" in self.context.grad.called_names(node.frame())
 
 
 def _round_trip(node: nodes.Call) -> bool:
@@ -99,7 +99,7 @@ def _round_trip(node: nodes.Call) -> bool:
 
 
 def _in_cast_definition(node: nodes.NodeNG) -> bool:
-    scope = node.scope()
+    scope = node.frame()
     return isinstance(scope, nodes.FunctionDef) and scope.name in CAST_DEFINITIONS
 
 
