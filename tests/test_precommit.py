@@ -7,6 +7,7 @@ into a fresh environment from the package index, so it is documented in docs/ind
 rather than run here.)
 """
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -67,10 +68,11 @@ def run_hook(hook, repo, *files):
 
 @pytest.fixture
 def repo(tmp_path):
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "buggy.py").write_text(BUGGY, encoding="utf-8")
-    (tmp_path / "src" / "clean.py").write_text(CLEAN, encoding="utf-8")
-    return tmp_path
+    source = tmp_path / "repo" / "src"
+    source.mkdir(parents=True)
+    (source / "buggy.py").write_text(BUGGY, encoding="utf-8")
+    (source / "clean.py").write_text(CLEAN, encoding="utf-8")
+    return source.parent
 
 
 def test_hook_fails_on_a_finding_and_names_file_line_and_code(hook, repo):
@@ -82,3 +84,30 @@ def test_hook_fails_on_a_finding_and_names_file_line_and_code(hook, repo):
 def test_hook_passes_a_clean_file(hook, repo):
     result = run_hook(hook, repo, "src/clean.py")
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def pre_commit_run(hook, repo, cache):
+    """``pre-commit run --all-files`` with the hook as a local one, using this environment's flake8."""
+    local_hook = {key: hook[key] for key in ("id", "name", "entry", "types")}
+    config = {"repos": [{"repo": "local", "hooks": [dict(local_hook, language="system")]}]}
+    (repo / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    environment = dict(os.environ, PRE_COMMIT_HOME=str(cache),
+                       PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    return subprocess.run([sys.executable, "-m", "pre_commit", "run", "--all-files", "--color=never"],
+                          cwd=repo, env=environment, capture_output=True, text=True)
+
+
+def test_pre_commit_run_fails_on_the_finding(hook, repo, tmp_path):
+    result = pre_commit_run(hook, repo, tmp_path / "pre-commit-home")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "src/buggy.py:8:16: AMP003 " in result.stdout
+    assert "src/clean.py" not in result.stdout
+
+
+def test_pre_commit_run_passes_clean_code(hook, repo, tmp_path):
+    (repo / "src" / "buggy.py").unlink()
+    result = pre_commit_run(hook, repo, tmp_path / "pre-commit-home")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"flake8-amp\.+Passed", result.stdout)
