@@ -9,6 +9,7 @@ the flake8-amp distribution. CPU seconds of each child process come from
 ``resource.getrusage(RUSAGE_CHILDREN)``; the best of ``--repeat`` runs is reported (the
 least disturbed by other load), followed by a markdown table with the ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,14 @@ def count_files(paths: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="*", help="source files/directories (default: torch/nn, torch/optim, torch/utils)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per configuration; the best is kept (default 3)")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        help="source files/directories (default: torch/nn, torch/optim, torch/utils)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per configuration; the best is kept (default 3)"
+    )
     args = parser.parse_args(argv)
     paths = args.paths or default_paths()
 
@@ -79,7 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     base, amp = min(without), min(with_plugin)
 
     names = ", ".join(Path(p).name for p in paths)
-    print(f"{count_files(paths)} files ({names}); best of {len(without)} runs, CPU seconds, flake8 --jobs=1\n")
+    print(
+        f"{count_files(paths)} files ({names}); best of {len(without)} runs, "
+        "CPU seconds, flake8 --jobs=1\n"
+    )
     print("| configuration | CPU s | ratio |")
     print("|---|---|---|")
     print(f"| flake8 (default checks, without flake8-amp) | {base:.2f} | 1.00x |")

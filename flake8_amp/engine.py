@@ -6,6 +6,7 @@ and an optional ``finish``. The walk dispatches each node to the hooks that want
 source order; rules never walk the tree themselves. Shared analyses hang off the
 per-module :class:`Context` and are built lazily, the first time a rule asks.
 """
+
 from __future__ import annotations
 
 import ast
@@ -114,7 +115,7 @@ def _hooks_by_node_class(checks: Iterable[Check]) -> Dict[str, List[Hook]]:
     for check in checks:
         for attr in dir(type(check)):
             if attr.startswith("visit_"):
-                hooks.setdefault(attr[len("visit_"):], []).append(getattr(check, attr))
+                hooks.setdefault(attr.removeprefix("visit_"), []).append(getattr(check, attr))
     return hooks
 
 
@@ -171,4 +172,6 @@ def build_module(tree: ast.Module, source: str, filename: str = "") -> nodes.Mod
 
 def mentions_autocast(source: str, options: Options) -> bool:
     """The source may open an autocast region (for :meth:`Check.applies`)."""
-    return "autocast" in source or any(name.rsplit(".", 1)[-1] in source for name in options.autocast_functions)
+    return "autocast" in source or any(
+        name.rsplit(".", 1)[-1] in source for name in options.autocast_functions
+    )

@@ -1,4 +1,5 @@
 """The flake8 entry point (``flake8.extension``: ``AMP = flake8_amp.plugin:AmpChecker``)."""
+
 from __future__ import annotations
 
 import ast
@@ -16,10 +17,14 @@ _DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 _WORD = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
 
 
-def _validated(option: str, values: Iterable[str], pattern: "re.Pattern[str]", expected: str) -> frozenset:
+def _validated(
+    option: str, values: Iterable[str], pattern: "re.Pattern[str]", expected: str
+) -> frozenset:
     bad = [value for value in values if not pattern.match(value)]
     if bad:
-        raise ExecutionError(f"flake8-amp: --{option} expects {expected}; got {', '.join(map(repr, bad))}")
+        raise ExecutionError(
+            f"flake8-amp: --{option} expects {expected}; got {', '.join(map(repr, bad))}"
+        )
     return frozenset(values)
 
 
@@ -50,7 +55,8 @@ class AmpChecker:
             default="",
             parse_from_config=True,
             comma_separated_list=True,
-            help="Extra loss callables (dotted names, or bare names), comma separated. Default: none.",
+            help="Extra loss callables (dotted names, or bare names), comma separated. "
+            "Default: none.",
         )
         manager.add_option(
             "--amp-inference-words",
@@ -65,14 +71,22 @@ class AmpChecker:
     def parse_options(cls, options) -> None:
         cls.options = Options(
             autocast_functions=_validated(
-                "amp-autocast-functions", options.amp_autocast_functions, _DOTTED_NAME, "dotted Python names"
+                "amp-autocast-functions",
+                options.amp_autocast_functions,
+                _DOTTED_NAME,
+                "dotted Python names",
             ),
             loss_functions=_validated(
-                "amp-loss-functions", options.amp_loss_functions, _DOTTED_NAME, "dotted Python names"
+                "amp-loss-functions",
+                options.amp_loss_functions,
+                _DOTTED_NAME,
+                "dotted Python names",
             ),
             inference_words=frozenset(
                 word.lower()
-                for word in _validated("amp-inference-words", options.amp_inference_words, _WORD, "plain words")
+                for word in _validated(
+                    "amp-inference-words", options.amp_inference_words, _WORD, "plain words"
+                )
             ),
         )
 
@@ -87,7 +101,10 @@ class AmpChecker:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            results = [(f.line, f.col, f"{f.code} {f.message}", type(self)) for f in self._analyse(source, rules)]
+            results = [
+                (f.line, f.col, f"{f.code} {f.message}", type(self))
+                for f in self._analyse(source, rules)
+            ]
         except RecursionError:
             results = [self._skipped("nesting too deep")]
         except Exception as error:  # never a traceback from flake8: report the gap instead

@@ -1,4 +1,5 @@
 """Shared fixtures: run real flake8 the way users do."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _flake8(args: Sequence[str], cwd: Path | str = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+def _flake8(
+    args: Sequence[str], cwd: Path | str = REPO, env: dict | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "flake8", *map(str, args)],
         cwd=cwd,

@@ -5,6 +5,7 @@ Part of the normal suite (it takes a minute or two on two cores): no file may cr
 checker or produce an AMP000 "could not analyse" line, except files Python itself
 cannot parse (flake8 reports those as E902/E999 and never calls the plugin).
 """
+
 from __future__ import annotations
 
 import ast
@@ -22,7 +23,11 @@ from flake8_amp.plugin import AmpChecker
 
 def _stdlib_files() -> List[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    return [
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    ]
 
 
 def _torch_files() -> List[Path]:

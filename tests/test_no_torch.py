@@ -1,4 +1,5 @@
 """flake8_amp never imports torch: lint in a subprocess where ``import torch`` raises."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,7 @@ from pathlib import Path
 
 SNIPPETS = Path(__file__).parent / "snippets"
 
-BLOCKER = textwrap.dedent(
-    """\
+BLOCKER = textwrap.dedent("""\
     import sys
 
 
@@ -22,18 +22,23 @@ BLOCKER = textwrap.dedent(
 
 
     sys.meta_path.insert(0, _BlockTorch())
-    """
-)
+    """)
 
 
 def _blocked_env(tmp_path: Path) -> dict:
     (tmp_path / "sitecustomize.py").write_text(BLOCKER)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def test_blocker_really_blocks_torch(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", "import torch"], env=_blocked_env(tmp_path), capture_output=True, text=True
+        [sys.executable, "-c", "import torch"],
+        env=_blocked_env(tmp_path),
+        capture_output=True,
+        text=True,
     )
     assert result.returncode != 0
     assert "torch is blocked in this test" in result.stderr
@@ -54,7 +59,12 @@ def test_lints_without_torch(tmp_path):
         assert f": {code} " in result.stdout, f"no {code} finding without torch"
     # Nothing in the lint path loaded torch either.
     check = subprocess.run(
-        [sys.executable, "-c", "import sys, flake8_amp.plugin; assert not any(m.split('.')[0] == 'torch' for m in sys.modules)"],
+        [
+            sys.executable,
+            "-c",
+            "import sys, flake8_amp.plugin; "
+            "assert not any(m.split('.')[0] == 'torch' for m in sys.modules)",
+        ],
         env=_blocked_env(tmp_path),
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
 """flake8-amp as users run it: registration, options, noqa, odd files, the skip path."""
+
 from __future__ import annotations
 
 import ast
@@ -9,8 +10,7 @@ import pytest
 
 from flake8_amp.plugin import AmpChecker
 
-BCE_IN_CUSTOM_REGION = textwrap.dedent(
-    """\
+BCE_IN_CUSTOM_REGION = textwrap.dedent("""\
     import torch.nn.functional as F
     from mylib.amp import my_amp_ctx
 
@@ -18,11 +18,9 @@ BCE_IN_CUSTOM_REGION = textwrap.dedent(
     def step(model, x, y):
         with my_amp_ctx():
             return F.binary_cross_entropy(model(x), y)
-    """
-)
+    """)
 
-FOCAL_LOSS_OUTSIDE = textwrap.dedent(
-    """\
+FOCAL_LOSS_OUTSIDE = textwrap.dedent("""\
     import torch
     from mylib.losses import focal_loss
 
@@ -31,20 +29,16 @@ FOCAL_LOSS_OUTSIDE = textwrap.dedent(
         with torch.autocast("cuda"):
             logits = model(x)
         return focal_loss(logits, y)
-    """
-)
+    """)
 
-ROLLOUT_CAST = textwrap.dedent(
-    """\
+ROLLOUT_CAST = textwrap.dedent("""\
     def rollout_policy(policy, env, optimizer):
         policy.half()
         loss = policy(env.reset())
         loss.backward()
-    """
-)
+    """)
 
-BCE_UNDER_AUTOCAST = textwrap.dedent(
-    """\
+BCE_UNDER_AUTOCAST = textwrap.dedent("""\
     import torch
     import torch.nn.functional as F
 
@@ -52,8 +46,7 @@ BCE_UNDER_AUTOCAST = textwrap.dedent(
     def step(model, x, y):
         with torch.autocast("cuda"):
             return F.binary_cross_entropy(model(x), y){noqa}
-    """
-)
+    """)
 
 
 def codes(stdout: str) -> list:
@@ -80,7 +73,9 @@ def test_finding_format_and_column(tmp_path, flake8):
     assert "binary_cross_entropy_with_logits" in result.stdout  # the fix hint
 
 
-@pytest.mark.parametrize("noqa, expected", [("  # noqa: AMP003", []), ("  # noqa: AMP001", ["AMP003"]), ("  # noqa", [])])
+@pytest.mark.parametrize(
+    "noqa, expected", [("  # noqa: AMP003", []), ("  # noqa: AMP001", ["AMP003"]), ("  # noqa", [])]
+)
 def test_noqa(tmp_path, flake8, noqa, expected):
     path = write(tmp_path, "train.py", BCE_UNDER_AUTOCAST.format(noqa=noqa))
     result = flake8(["--isolated", "--select=AMP", path.name], cwd=tmp_path)
@@ -98,7 +93,9 @@ def test_noqa(tmp_path, flake8, noqa, expected):
 def test_options_enable_findings_on_command_line(tmp_path, flake8, option, value, source, code):
     path = write(tmp_path, "train.py", source)
     without = flake8(["--isolated", "--select=AMP", path.name], cwd=tmp_path)
-    with_option = flake8(["--isolated", "--select=AMP", f"--{option}={value}", path.name], cwd=tmp_path)
+    with_option = flake8(
+        ["--isolated", "--select=AMP", f"--{option}={value}", path.name], cwd=tmp_path
+    )
     assert codes(without.stdout) == []
     assert codes(with_option.stdout) == [code], with_option.stderr
 
@@ -106,7 +103,9 @@ def test_options_enable_findings_on_command_line(tmp_path, flake8, option, value
 def test_inference_words_option_silences(tmp_path, flake8):
     write(tmp_path, "agent.py", ROLLOUT_CAST)
     before = flake8(["--isolated", "--select=AMP", "agent.py"], cwd=tmp_path)
-    after = flake8(["--isolated", "--select=AMP", "--amp-inference-words=Rollout", "agent.py"], cwd=tmp_path)
+    after = flake8(
+        ["--isolated", "--select=AMP", "--amp-inference-words=Rollout", "agent.py"], cwd=tmp_path
+    )
     assert codes(before.stdout) == ["AMP001"]
     assert codes(after.stdout) == []
 
@@ -117,14 +116,23 @@ def test_inference_words_option_silences(tmp_path, flake8):
 )
 def test_options_from_config_files(tmp_path, flake8, config_name, section):
     write(tmp_path, "train.py", BCE_IN_CUSTOM_REGION)
-    write(tmp_path, config_name, f"[{section}]\nselect = AMP\namp-autocast-functions =\n    mylib.amp.my_amp_ctx,\n    other_ctx\n")
+    write(
+        tmp_path,
+        config_name,
+        f"[{section}]\nselect = AMP\n"
+        "amp-autocast-functions =\n    mylib.amp.my_amp_ctx,\n    other_ctx\n",
+    )
     result = flake8(["train.py"], cwd=tmp_path)
     assert codes(result.stdout) == ["AMP003"], result.stdout + result.stderr
 
 
 @pytest.mark.parametrize(
     "argument",
-    ["--amp-autocast-functions=mylib..amp_ctx", "--amp-loss-functions=1focal", "--amp-inference-words=roll-out"],
+    [
+        "--amp-autocast-functions=mylib..amp_ctx",
+        "--amp-loss-functions=1focal",
+        "--amp-inference-words=roll-out",
+    ],
 )
 def test_malformed_option_is_a_clean_error(tmp_path, flake8, argument):
     write(tmp_path, "train.py", BCE_IN_CUSTOM_REGION)
@@ -141,7 +149,10 @@ def test_malformed_option_in_config_is_a_clean_error(tmp_path, flake8):
     result = flake8(["--select=AMP", "train.py"], cwd=tmp_path)
     assert result.returncode != 0
     assert "Traceback" not in result.stdout + result.stderr
-    assert "flake8-amp: --amp-loss-functions expects dotted Python names; got 'focal-loss'" in result.stdout
+    assert (
+        "flake8-amp: --amp-loss-functions expects dotted Python names; got 'focal-loss'"
+        in result.stdout
+    )
 
 
 def test_syntax_error_is_only_e999(tmp_path, flake8):

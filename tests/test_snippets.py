@@ -7,6 +7,7 @@ every code that is marked somewhere in the file. Each top-level function or clas
 one case: positive if it holds a marker, negative otherwise; every ``ampNNN.py`` file
 needs at least 15 of each (extra scenario files such as ``amp010_bf16.py`` need not).
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,7 +30,9 @@ def expected_findings(source: str) -> set:
         if token.type == tokenize.COMMENT:
             match = MARKER.search(token.string)
             if match:
-                expected |= {(token.start[0], code) for code in re.findall(r"AMP\d{3}", match.group(1))}
+                expected |= {
+                    (token.start[0], code) for code in re.findall(r"AMP\d{3}", match.group(1))
+                }
     return expected
 
 
@@ -64,7 +67,9 @@ def test_snippet(snippet: Path, flake8) -> None:
 
     missing = sorted(expected - found)
     unexpected = sorted(found - expected)
-    assert not missing and not unexpected, f"missing={missing} unexpected={unexpected}\n{result.stdout}"
+    assert (
+        not missing and not unexpected
+    ), f"missing={missing} unexpected={unexpected}\n{result.stdout}"
 
     if snippet.stem != own_code.lower():
         return

@@ -9,6 +9,7 @@ evaluation words below, plus ``--amp-inference-words``; whole words of snake_cas
 CamelCase names), or when its scope calls ``.eval()`` and never ``.train()`` /
 ``.backward()`` (an evaluation script).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,20 +30,59 @@ NO_GRAD_CONTEXTS = frozenset(
         "torch.autograd.grad_mode.inference_mode",
     }
 )
-SET_GRAD_ENABLED = frozenset({"torch.set_grad_enabled", "torch.autograd.set_grad_enabled", "torch.autograd.grad_mode.set_grad_enabled"})
+SET_GRAD_ENABLED = frozenset(
+    {
+        "torch.set_grad_enabled",
+        "torch.autograd.set_grad_enabled",
+        "torch.autograd.grad_mode.set_grad_enabled",
+    }
+)
 
 INFERENCE_WORDS: FrozenSet[str] = frozenset(
     {
-        "export", "exporter", "exporting", "onnx", "tensorrt", "trt", "torchscript", "jit",
-        "infer", "inference", "predict", "prediction", "predictor", "deploy", "deployment",
-        "serve", "serving", "server", "generate", "generation", "sample", "sampling",
-        "eval", "evaluate", "evaluation", "evaluator", "validate", "validation", "val",
-        "test", "tests", "testing", "demo", "benchmark", "bench", "profile",
+        "export",
+        "exporter",
+        "exporting",
+        "onnx",
+        "tensorrt",
+        "trt",
+        "torchscript",
+        "jit",
+        "infer",
+        "inference",
+        "predict",
+        "prediction",
+        "predictor",
+        "deploy",
+        "deployment",
+        "serve",
+        "serving",
+        "server",
+        "generate",
+        "generation",
+        "sample",
+        "sampling",
+        "eval",
+        "evaluate",
+        "evaluation",
+        "evaluator",
+        "validate",
+        "validation",
+        "val",
+        "test",
+        "tests",
+        "testing",
+        "demo",
+        "benchmark",
+        "bench",
+        "profile",
     }
 )
 
 #: Words in function/class names that mark training code.
-TRAINING_WORDS: FrozenSet[str] = frozenset({"train", "trainer", "training", "fit", "finetune", "pretrain"})
+TRAINING_WORDS: FrozenSet[str] = frozenset(
+    {"train", "trainer", "training", "fit", "finetune", "pretrain"}
+)
 #: Method calls that only training code makes.
 TRAINING_CALLS: FrozenSet[str] = frozenset({"backward", "manual_backward", "zero_grad"})
 
@@ -75,7 +115,9 @@ class GradContext:
                 if any(self._disables_grad(expr) for expr, _ in parent.items):
                     return True
             elif isinstance(parent, nodes.FunctionDef) and parent.decorators is not None:
-                if child is not parent.decorators and any(self._disables_grad(d) for d in parent.decorators.nodes):
+                if child is not parent.decorators and any(
+                    self._disables_grad(d) for d in parent.decorators.nodes
+                ):
                     return True
             child, parent = parent, parent.parent
         return False
@@ -108,14 +150,17 @@ class GradContext:
         owner = scope.parent if isinstance(scope, nodes.FunctionDef) else None
         if isinstance(owner, nodes.ClassDef):
             return any(
-                self._calls_training(method) or any(w in TRAINING_WORDS for w in name_words(method.name))
+                self._calls_training(method)
+                or any(w in TRAINING_WORDS for w in name_words(method.name))
                 for method in owner.mymethods()
             )
         return False
 
     def _calls_training(self, scope: nodes.NodeNG) -> bool:
         if scope not in self._training_scopes:
-            self._training_scopes[scope] = bool(TRAINING_CALLS.intersection(self.called_names(scope)))
+            self._training_scopes[scope] = bool(
+                TRAINING_CALLS.intersection(self.called_names(scope))
+            )
         return self._training_scopes[scope]
 
     def called_names(self, scope: nodes.NodeNG) -> FrozenSet[str]:
@@ -145,7 +190,11 @@ class GradContext:
     def _is_eval_scope(self, scope: nodes.NodeNG) -> bool:
         if scope not in self._eval_scopes:
             called = self.called_names(scope)
-            self._eval_scopes[scope] = "eval" in called and not called & {"train", "backward", "step"}
+            self._eval_scopes[scope] = "eval" in called and not called & {
+                "train",
+                "backward",
+                "step",
+            }
         return self._eval_scopes[scope]
 
 

@@ -9,6 +9,7 @@ ops on autocast's fp32 list produce fp32 — per device, from PyTorch's publishe
 Knowledge flows through names (per function, the assignment that reaches the use),
 arithmetic, indexing and dtype-preserving methods. A generic model call is unknown.
 """
+
 from __future__ import annotations
 
 from typing import Dict, FrozenSet, Optional
@@ -22,18 +23,44 @@ FP32, LOW, INT = "fp32", "low", "int"
 LOW_KINDS = frozenset({FP16, BF16, LOW})
 
 DTYPE_CONSTANTS: Dict[str, str] = {
-    "torch.float16": FP16, "torch.half": FP16, "torch.bfloat16": BF16,
-    "torch.float32": FP32, "torch.float": FP32, "torch.float64": FP32, "torch.double": FP32,
-    "torch.int64": INT, "torch.long": INT, "torch.int32": INT, "torch.int": INT, "torch.int16": INT,
-    "torch.int8": INT, "torch.uint8": INT, "torch.bool": INT, "torch.short": INT,
+    "torch.float16": FP16,
+    "torch.half": FP16,
+    "torch.bfloat16": BF16,
+    "torch.float32": FP32,
+    "torch.float": FP32,
+    "torch.float64": FP32,
+    "torch.double": FP32,
+    "torch.int64": INT,
+    "torch.long": INT,
+    "torch.int32": INT,
+    "torch.int": INT,
+    "torch.int16": INT,
+    "torch.int8": INT,
+    "torch.uint8": INT,
+    "torch.bool": INT,
+    "torch.short": INT,
 }
 TENSOR_TYPES: Dict[str, str] = {
-    "HalfTensor": FP16, "BFloat16Tensor": BF16, "FloatTensor": FP32, "DoubleTensor": FP32,
-    "LongTensor": INT, "IntTensor": INT, "BoolTensor": INT, "ByteTensor": INT,
+    "HalfTensor": FP16,
+    "BFloat16Tensor": BF16,
+    "FloatTensor": FP32,
+    "DoubleTensor": FP32,
+    "LongTensor": INT,
+    "IntTensor": INT,
+    "BoolTensor": INT,
+    "ByteTensor": INT,
 }
 CAST_METHODS: Dict[str, str] = {
-    "half": FP16, "bfloat16": BF16, "float": FP32, "double": FP32,
-    "long": INT, "int": INT, "bool": INT, "short": INT, "byte": INT, "char": INT,
+    "half": FP16,
+    "bfloat16": BF16,
+    "float": FP32,
+    "double": FP32,
+    "long": INT,
+    "int": INT,
+    "bool": INT,
+    "short": INT,
+    "byte": INT,
+    "char": INT,
 }
 #: Methods and torch functions whose result has their (first) input's dtype.
 PRESERVING: FrozenSet[str] = frozenset(
@@ -70,7 +97,8 @@ LOW_PRECISION_OPS: FrozenSet[str] = frozenset(
 #: ``nn`` modules whose forward is one of the ops above.
 LOW_PRECISION_MODULES: FrozenSet[str] = frozenset(
     "torch.nn." + name
-    for name in "Linear Bilinear LazyLinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d".split()
+    for name in """Linear Bilinear LazyLinear Conv1d Conv2d Conv3d
+    ConvTranspose1d ConvTranspose2d ConvTranspose3d""".split()
 )
 _ARITHMETIC = frozenset({"+", "-", "*", "/"})
 _MAX_DEPTH = 12
@@ -99,7 +127,9 @@ class Dtypes:
         if expr is None:
             return None
         if isinstance(expr, nodes.Const) and isinstance(expr.value, str):
-            return {"float16": FP16, "half": FP16, "bfloat16": BF16, "float32": FP32}.get(expr.value)
+            return {"float16": FP16, "half": FP16, "bfloat16": BF16, "float32": FP32}.get(
+                expr.value
+            )
         qualname = self.names.qualname(expr) or ""
         if qualname in DTYPE_CONSTANTS:
             return DTYPE_CONSTANTS[qualname]
@@ -233,8 +263,10 @@ class Dtypes:
             return input_kind
         return None
 
-    def _autocast_output(self, node: nodes.NodeNG, op: str, input_kind: Optional[str]) -> Optional[str]:
-        """Output kind of ``op`` at ``node``: autocast's choice inside a region, else the input's."""
+    def _autocast_output(
+        self, node: nodes.NodeNG, op: str, input_kind: Optional[str]
+    ) -> Optional[str]:
+        """Output kind of ``op`` at ``node``: autocast's choice in a region, else the input's."""
         region = self.regions.autocast_at(node)
         if region is None or region.enabled is None:
             return input_kind if op not in LOW_PRECISION_OPS or region is None else None
@@ -248,7 +280,11 @@ class Dtypes:
 def _is_number(expr: nodes.NodeNG) -> bool:
     if isinstance(expr, nodes.UnaryOp):
         expr = expr.operand
-    return isinstance(expr, nodes.Const) and isinstance(expr.value, (int, float)) and not isinstance(expr.value, bool)
+    return (
+        isinstance(expr, nodes.Const)
+        and isinstance(expr.value, (int, float))
+        and not isinstance(expr.value, bool)
+    )
 
 
 def _is_device(arg: nodes.NodeNG) -> bool:
@@ -259,6 +295,9 @@ def _is_device(arg: nodes.NodeNG) -> bool:
         return True
     if isinstance(arg, nodes.Name) and "device" in arg.name.lower():
         return True
-    if isinstance(arg, nodes.Call) and getattr(arg.func, "attrname", getattr(arg.func, "name", "")) == "device":
+    if (
+        isinstance(arg, nodes.Call)
+        and getattr(arg.func, "attrname", getattr(arg.func, "name", "")) == "device"
+    ):
         return True
     return False

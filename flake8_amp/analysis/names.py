@@ -7,6 +7,7 @@ is not installed). Instances are resolved to the class that built them
 (``criterion = nn.BCELoss()``, ``self.criterion = nn.BCELoss()`` in ``__init__``), and
 ``functools.partial(f, ...)`` bindings to ``f`` with the bound arguments.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ def canonical(qualname: str) -> str:
     """``torch.nn.modules.loss.BCELoss`` -> ``torch.nn.BCELoss`` (public spelling)."""
     for prefix, public in _CANONICAL_PREFIXES:
         if qualname.startswith(prefix):
-            return public + qualname[len(prefix):]
+            return public + qualname.removeprefix(prefix)
     return qualname
 
 
@@ -75,7 +76,11 @@ class Callee:
     def argument(self, position: int, name: str) -> Optional[nodes.NodeNG]:
         """The argument at ``position`` or passed as ``name=``."""
         value = self.keyword(name)
-        if value is None and position < len(self.args) and not isinstance(self.args[position], nodes.Starred):
+        if (
+            value is None
+            and position < len(self.args)
+            and not isinstance(self.args[position], nodes.Starred)
+        ):
             value = self.args[position]
         return value
 
@@ -100,7 +105,9 @@ class Names:
         """
         found = self._bindings.get(name)
         if found is None and not _defined_in_module(name):
-            found = self._bindings[name] = []  # a builtin or undefined: skip astroid's builtins lookup
+            found = self._bindings[name] = (
+                []
+            )  # a builtin or undefined: skip astroid's builtins lookup
         if found is None:
             try:
                 scope, statements = _lookup(name)
@@ -155,7 +162,9 @@ class Names:
             prefix = "." * (binding.level or 0) + (binding.modname or "")
             for original, alias in binding.names:
                 if (alias or original) == name:
-                    return canonical(f"{prefix}.{original}" if binding.modname else prefix + original)
+                    return canonical(
+                        f"{prefix}.{original}" if binding.modname else prefix + original
+                    )
             return None
         value = assigned_value(binding)
         if isinstance(value, (nodes.Name, nodes.Attribute)):
@@ -183,7 +192,10 @@ class Names:
             return None
         if not values:
             return None
-        classes = {self.instance_class(v, _depth + 1) if isinstance(v, nodes.Call) else None for v in values}
+        classes = {
+            self.instance_class(v, _depth + 1) if isinstance(v, nodes.Call) else None
+            for v in values
+        }
         return classes.pop() if len(classes) == 1 else None
 
     def local_class(self, expr: nodes.NodeNG) -> Optional[nodes.ClassDef]:
@@ -319,11 +331,15 @@ def is_self(expr: nodes.NodeNG) -> bool:
     if not isinstance(expr, nodes.Name):
         return False
     function = expr.scope()
-    if not isinstance(function, nodes.FunctionDef) or not isinstance(function.parent, nodes.ClassDef):
+    if not isinstance(function, nodes.FunctionDef) or not isinstance(
+        function.parent, nodes.ClassDef
+    ):
         return False
     params = function.args.posonlyargs + function.args.args
     decorators = function.decorators.nodes if function.decorators else []
-    if any(isinstance(d, nodes.Name) and d.name in ("staticmethod", "classmethod") for d in decorators):
+    if any(
+        isinstance(d, nodes.Name) and d.name in ("staticmethod", "classmethod") for d in decorators
+    ):
         return False
     return bool(params) and params[0].name == expr.name
 

@@ -10,6 +10,7 @@ defined in the module and called only from inside regions inherits the region.
 ``enabled=False`` opens an island where autocast is off (tensors arriving in fp16 stay
 fp16). A variable merely named ``ctx`` is not autocast.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,11 +18,22 @@ from typing import Dict, List, Optional, Set
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import Callee, enclosing_class, is_self, keyword_value, last_part, simple_name
+from flake8_amp.analysis.names import (
+    Callee,
+    enclosing_class,
+    is_self,
+    keyword_value,
+    last_part,
+    simple_name,
+)
 
-AUTOCAST_FUNCTIONS = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast", "torch.cpu.amp.autocast"})
+AUTOCAST_FUNCTIONS = frozenset(
+    {"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast", "torch.cpu.amp.autocast"}
+)
 #: Context managers that do nothing; the "off" branch of a conditional autocast.
-NULL_CONTEXTS = frozenset({"contextlib.nullcontext", "contextlib.suppress", "nullcontext", "suppress"})
+NULL_CONTEXTS = frozenset(
+    {"contextlib.nullcontext", "contextlib.suppress", "nullcontext", "suppress"}
+)
 #: ``custom_fwd(cast_inputs=...)`` runs the decorated forward with autocast disabled.
 CUSTOM_FWD = frozenset({"torch.amp.custom_fwd", "torch.cuda.amp.custom_fwd"})
 
@@ -104,7 +116,9 @@ class Regions:
             child, parent = parent, parent.parent
         return None
 
-    def _inherited_region(self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> Optional[Region]:
+    def _inherited_region(
+        self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG]
+    ) -> Optional[Region]:
         """The region of every same-module call site of ``function``, if they all agree."""
         if not isinstance(function, nodes.FunctionDef):
             return None
@@ -125,7 +139,9 @@ class Regions:
             self._calls_by_name = {}
             for call in self.context.module.nodes_of_class(nodes.Call):
                 func = call.func
-                name = func.name if isinstance(func, nodes.Name) else getattr(func, "attrname", None)
+                name = (
+                    func.name if isinstance(func, nodes.Name) else getattr(func, "attrname", None)
+                )
                 if name:
                     self._calls_by_name.setdefault(name, []).append(call)
         owner = function.parent
@@ -133,7 +149,11 @@ class Regions:
         for call in self._calls_by_name.get(function.name, ()):
             func = call.func
             if isinstance(owner, nodes.ClassDef):
-                if isinstance(func, nodes.Attribute) and is_self(func.expr) and enclosing_class(call) is owner:
+                if (
+                    isinstance(func, nodes.Attribute)
+                    and is_self(func.expr)
+                    and enclosing_class(call) is owner
+                ):
                     sites.append(call)
             elif isinstance(func, nodes.Name) and function in self.names.bindings(func):
                 sites.append(call)
@@ -187,7 +207,9 @@ class Regions:
                 return Region(owner, None, None, None) if not _is_decorator(expr) else None
         return None
 
-    def _alternatives(self, values: List[nodes.NodeNG], owner: nodes.NodeNG, depth: int) -> Optional[Region]:
+    def _alternatives(
+        self, values: List[nodes.NodeNG], owner: nodes.NodeNG, depth: int
+    ) -> Optional[Region]:
         """A variable bound to autocast on one path and to a null context on another."""
         regions = []
         for value in values:

@@ -1,4 +1,5 @@
 """AMP001 manual-cast: ``.half()`` / ``.bfloat16()`` / ``.to(torch.float16)`` in training code."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,7 +14,9 @@ from flake8_amp.engine import Check
 
 DTYPE_NAMES = {FP16: "float16", BF16: "bfloat16"}
 #: A cast inside ``if args.fp16:`` / ``x.half() if half else x`` is a deliberate precision mode.
-FLAG_WORDS = frozenset({"fp16", "half", "bf16", "bfloat16", "float16", "pure", "precision", "dtype"})
+FLAG_WORDS = frozenset(
+    {"fp16", "half", "bf16", "bfloat16", "float16", "pure", "precision", "dtype"}
+)
 #: Methods whose definitions legitimately call the cast (``Module.half`` overrides).
 CAST_DEFINITIONS = frozenset({"half", "bfloat16", "to", "type", "_apply"})
 _MAX_TARGET = 40
@@ -43,7 +46,9 @@ class ManualCast(Check):
             return CAST_METHODS[method] if not node.args and not node.keywords else None
         if method not in ("to", "type"):
             return None
-        candidates = list(node.args) + [kw.value for kw in node.keywords or () if kw.arg in ("dtype", "dst_type")]
+        candidates = list(node.args) + [
+            kw.value for kw in node.keywords or () if kw.arg in ("dtype", "dst_type")
+        ]
         for arg in candidates:
             if isinstance(arg, nodes.Const):
                 continue  # strings here are devices (``.to("cuda")``), not dtypes
@@ -72,7 +77,9 @@ class ManualCast(Check):
 
     def _behind_precision_flag(self, node: nodes.NodeNG) -> bool:
         child, parent = node, node.parent
-        while parent is not None and not isinstance(parent, (nodes.FunctionDef, nodes.ClassDef, nodes.Module)):
+        while parent is not None and not isinstance(
+            parent, (nodes.FunctionDef, nodes.ClassDef, nodes.Module)
+        ):
             if isinstance(parent, (nodes.If, nodes.IfExp)) and child is not parent.test:
                 if any(word in FLAG_WORDS for word in _identifier_words(parent.test)):
                     return True

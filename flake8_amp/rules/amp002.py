@@ -1,4 +1,5 @@
 """AMP002 loss-outside-autocast: a loss computed after the autocast block on its outputs."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -11,10 +12,18 @@ from flake8_amp.engine import Check, Options, mentions_autocast
 
 #: Functional losses whose names do not end in ``_loss``.
 LOSS_FUNCTIONS = frozenset(
-    {"cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "nll_loss"}
+    {
+        "cross_entropy",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "kl_div",
+        "nll_loss",
+    }
 )
 #: Tensor methods that move or convert data; their results are not forward outputs.
-DATA_METHODS = frozenset({"to", "cuda", "cpu", "type", "numpy", "item", "tolist", "new_tensor"}) | set(CAST_METHODS)
+DATA_METHODS = frozenset(
+    {"to", "cuda", "cpu", "type", "numpy", "item", "tolist", "new_tensor"}
+) | set(CAST_METHODS)
 
 
 class LossOutsideAutocast(Check):
@@ -48,7 +57,10 @@ class LossOutsideAutocast(Check):
             return True
         if callee.instance:
             return callee.qualname.startswith("torch.nn.") and callee.name.endswith("Loss")
-        if callee.qualname.startswith(("torch.nn.functional.", "torch.")) and callee.qualname.count(".") <= 3:
+        if (
+            callee.qualname.startswith(("torch.nn.functional.", "torch."))
+            and callee.qualname.count(".") <= 3
+        ):
             return callee.name.endswith("_loss") or callee.name in LOSS_FUNCTIONS
         return False
 
@@ -88,7 +100,11 @@ def _strip(expr: nodes.NodeNG) -> nodes.NodeNG:
             expr = expr.value
         elif isinstance(expr, nodes.Attribute):
             expr = expr.expr
-        elif isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Attribute) and expr.func.attrname in PRESERVING:
+        elif (
+            isinstance(expr, nodes.Call)
+            and isinstance(expr.func, nodes.Attribute)
+            and expr.func.attrname in PRESERVING
+        ):
             expr = expr.func.expr
         else:
             return expr

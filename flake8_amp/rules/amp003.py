@@ -1,11 +1,14 @@
 """AMP003 bce-under-autocast: binary_cross_entropy / nn.BCELoss inside an autocast region."""
+
 from __future__ import annotations
 
 from astroid import nodes
 
 from flake8_amp.engine import Check, Options, mentions_autocast
 
-BCE_FUNCTIONS = frozenset({"torch.nn.functional.binary_cross_entropy", "torch.binary_cross_entropy"})
+BCE_FUNCTIONS = frozenset(
+    {"torch.nn.functional.binary_cross_entropy", "torch.binary_cross_entropy"}
+)
 BCE_MODULES = frozenset({"torch.nn.BCELoss"})
 
 

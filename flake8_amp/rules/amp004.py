@@ -1,4 +1,5 @@
 """AMP004 low-precision-reduce: a reduction over a tensor known to be fp16/bf16."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -9,7 +10,9 @@ from flake8_amp.analysis.dtypes import autocast_fp32_op, is_low
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
-REDUCTIONS = frozenset({"sum", "mean", "cumsum", "cumprod", "prod", "norm", "var", "std", "nansum", "nanmean"})
+REDUCTIONS = frozenset(
+    {"sum", "mean", "cumsum", "cumprod", "prod", "norm", "var", "std", "nansum", "nanmean"}
+)
 DTYPE_NAMES = {FP16: "float16", BF16: "bfloat16"}
 
 
