@@ -45,7 +45,8 @@ class _Parser(argparse.ArgumentParser):
 def _codes(text: str) -> List[str]:
     codes = [c.strip().upper() for c in text.split(",") if c.strip()]
     if not codes:
-        raise argparse.ArgumentTypeError("expected AMP codes or prefixes separated by commas, e.g. AMP1,AMP003")
+        raise argparse.ArgumentTypeError(
+            "expected AMP codes or prefixes separated by commas, e.g. AMP1,AMP003")
     return codes
 
 
@@ -64,21 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="warn (default): print each event; raise: stop at the first P0/P1 event; "
                           "record: only collect")
     run.add_argument("--trace", choices=("off", "auto", "always"), default="auto",
-                     help="per-op checks: off, auto (switch on after an anomaly, default) or always")
-    run.add_argument("--select", type=_codes, metavar="CODES", help="only these codes/prefixes, e.g. AMP1,AMP003")
+                     help="per-op checks: off, auto (on after an anomaly; default) or always")
+    run.add_argument("--select", type=_codes, metavar="CODES",
+                     help="only these codes/prefixes, e.g. AMP1,AMP003")
     run.add_argument("--ignore", type=_codes, metavar="CODES", help="skip these codes/prefixes")
     run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                      help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/)")
     run.add_argument("--no-report", action="store_true", help="write the logs but not report.html")
     run.add_argument("script", metavar="SCRIPT", help="the Python script to run")
-    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="arguments for the script")
 
     report = commands.add_parser(
         "report", help="build report.html from a guard's log folder",
         description="Build one self-contained report.html from events.jsonl/metrics.jsonl in DIR.",
     )
     report.add_argument("dir", metavar="DIR", help="a guard's log_dir (e.g. amp-report/)")
-    report.add_argument("--out", metavar="FILE", help=f"where to write the page (default: DIR/{REPORT_FILE})")
+    report.add_argument("--out", metavar="FILE",
+                        help=f"where to write the page (default: DIR/{REPORT_FILE})")
 
     doctor = commands.add_parser(
         "doctor", help="what this machine supports and which precision to use",
@@ -93,15 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "with no arguments; it returns (model, inputs), inputs being a tensor, a tuple "
                     "of positional arguments or a dict of keyword arguments. Then compare every "
                     "module's output under autocast with float32 and name the modules to keep in "
-                    "float32. Example: python -m amp_runtime compare train.py:make_batch --dtype float16",
+                    "float32. Example: python -m amp_runtime compare model.py:example "
+                    "--dtype float16",
     )
-    compare.add_argument("target", metavar="MODULE:FACTORY", help="e.g. mypkg.models:example or model.py:example")
+    compare.add_argument("target", metavar="MODULE:FACTORY",
+                         help="e.g. mypkg.models:example or model.py:example")
     compare.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
                          help="low-precision dtype (default: bfloat16)")
-    compare.add_argument("--device-type", metavar="TYPE", help="autocast device type (default: the inputs')")
+    compare.add_argument("--device-type", metavar="TYPE",
+                         help="autocast device type (default: the inputs')")
     compare.add_argument("--tolerance", type=float, metavar="REL_L2",
-                         help="own relative L2 error above which a module is named (default: 4 x dtype eps)")
-    compare.add_argument("--top", type=int, default=20, metavar="N", help="rows in the table (default: 20)")
+                         help="own relative L2 error above which a module is named "
+                              "(default: 4 x dtype eps)")
+    compare.add_argument("--top", type=int, default=20, metavar="N",
+                         help="rows in the table (default: 20)")
     compare.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
@@ -234,7 +243,7 @@ def _compare(options) -> int:
 
 
 def _load_factory(target: str):
-    """``(model, inputs)`` from calling FACTORY in MODULE (``module:factory`` or ``file.py:factory``)."""
+    """``(model, inputs)`` from FACTORY in MODULE (``module:factory`` or ``file.py:factory``)."""
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise CliError(f"compare: {target!r} is not MODULE:FACTORY (e.g. model.py:example)")

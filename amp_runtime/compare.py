@@ -14,6 +14,7 @@ as it found it: training flags, parameters, buffers and the global RNG state.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -29,6 +30,28 @@ TOLERANCE_EPS = 4.0
 AMPLIFICATION = 4.0
 _SEED = 0
 _ROOT = "(model)"
+_SNIPPET = '''\
+import torch
+
+
+def keep_fp32(module):
+    """Run this module in float32 even inside an autocast region."""
+    forward = module.forward
+
+    def upcast(value):
+        return value.float() if torch.is_tensor(value) and value.is_floating_point() else value
+
+    def fp32_forward(*args, **kwargs):
+        with torch.autocast(device_type={device_type}, enabled=False):
+            return forward(*map(upcast, args), **{{k: upcast(v) for k, v in kwargs.items()}})
+
+    module.forward = fp32_forward
+
+
+for name in [
+{names}]:
+    keep_fp32(model if name == "" else model.get_submodule(name))
+'''
 
 
 @dataclass(frozen=True)
@@ -58,7 +81,9 @@ class ErrorStats:
         magnitude = ref.abs()
         # Exact zeros in the reference would make every ratio infinite; measure those
         # against a floor one millionth of the largest reference value instead.
-        floor = max(float(magnitude.max()) * 1e-6, torch.finfo(torch.float32).tiny) if ref.numel() else 1.0
+        if not ref.numel():
+            return cls(0, 0.0, 0.0, 0.0, 1.0, 0.0, nonfinite)
+        floor = max(float(magnitude.max()) * 1e-6, torch.finfo(torch.float32).tiny)
         rel = diff / magnitude.clamp_min(floor)
         ref_norm = float(ref.norm())
         diff_norm = float(diff.norm())
@@ -68,8 +93,8 @@ class ErrorStats:
             max_abs=float(diff.max()) if ref.numel() else 0.0,
             max_rel=float(rel.max()) if ref.numel() else 0.0,
             rel_l2=diff_norm / ref_norm if ref_norm else (0.0 if diff_norm == 0 else math.inf),
-            cosine=float((ref * approx).sum()) / denom if denom else (1.0 if diff_norm == 0 else 0.0),
-            mismatch_fraction=float((rel > MISMATCH_RELATIVE).double().mean()) if ref.numel() else 0.0,
+            cosine=float((ref * approx).sum()) / denom if denom else float(diff_norm == 0),
+            mismatch_fraction=float((rel > MISMATCH_RELATIVE).double().mean()),
             nonfinite=nonfinite,
         )
 
@@ -118,23 +143,12 @@ class CompareResult:
         """Python code that keeps the recommended modules in float32 under autocast."""
         if not self.keep_fp32:
             return ""
-        names = ",\n    ".join(repr(n) for n in self.keep_fp32)
-        return (
-            "import torch\n\n"
-            "def keep_fp32(module):\n"
-            '    """Run this module in float32 even inside an autocast region."""\n'
-            "    forward = module.forward\n\n"
-            "    def fp32_forward(*args, **kwargs):\n"
-            f"        with torch.autocast(device_type={self.device_type!r}, enabled=False):\n"
-            "            cast = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t\n"
-            "            return forward(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})\n\n"
-            "    module.forward = fp32_forward\n\n"
-            f"for name in [\n    {names},\n]:\n"
-            "    keep_fp32(model if name == '' else model.get_submodule(name))\n"
-        )
+        names = "".join(f"    {json.dumps(n)},\n" for n in self.keep_fp32)
+        return _SNIPPET.format(device_type=json.dumps(self.device_type), names=names)
 
     def table(self, limit: Optional[int] = 20) -> str:
-        header = ("module", "type", "own rel-L2", "out rel-L2", "max abs", "max rel", "cosine", ">0.1%")
+        header = ("module", "type", "own rel-L2", "out rel-L2", "max abs", "max rel", "cosine",
+                  ">0.1%")
         rows = []
         for entry in self.modules[:limit]:
             own = entry.own
@@ -145,8 +159,9 @@ class CompareResult:
                 _fmt_err(out), f"{out.max_abs:.3g}", f"{out.max_rel:.3g}",
                 f"{out.cosine:.6f}", f"{out.mismatch_fraction:.1%}",
             ))
-        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in [header, *rows]]
+        widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+                 for cells in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         if limit is not None and len(self.modules) > limit:
             lines.append(f"... {len(self.modules) - limit} more module(s)")
@@ -215,7 +230,8 @@ def compare(
         tolerance = TOLERANCE_EPS * torch.finfo(dtype).eps
 
     names = {module: (name or _ROOT) for name, module in model.named_modules()}
-    devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
+    cuda = {t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"}
+    devices = sorted(cuda)
     with _preserved(model, train), torch.random.fork_rng(devices=devices), torch.no_grad():
         ref_outputs, ref_inputs = _record(model, names, args, kwargs, device_type, None)
         low_outputs, low_inputs = _record(model, names, args, kwargs, device_type, dtype)
@@ -232,11 +248,14 @@ def compare(
             low_args, low_kwargs = _cast_like(ref_inputs[name], low_inputs[name])
             with _children_in_fp32(module, device_type):
                 own_low = _flat_output(_run(module, low_args, low_kwargs, device_type, dtype))
-            own = ErrorStats.between(own_ref, own_low) if own_ref is not None and own_low is not None else None
+            both = own_ref is not None and own_low is not None
+            own = ErrorStats.between(own_ref, own_low) if both else None
             ref_in, low_in = _flat_output(ref_inputs[name]), _flat_output(low_inputs[name])
-            inputs = None if ref_in is None or low_in is None else ErrorStats.between(ref_in, low_in)
+            both = ref_in is not None and low_in is not None
+            inputs = ErrorStats.between(ref_in, low_in) if both else None
             results.append(ModuleError(
-                name, type(module).__name__, ErrorStats.between(ref_out, low_out), own, inputs, calls,
+                name, type(module).__name__, ErrorStats.between(ref_out, low_out), own, inputs,
+                calls,
             ))
     results.sort(key=lambda m: m.badness(), reverse=True)
     for entry in results:
@@ -262,7 +281,8 @@ def _reason(entry: ModuleError, tolerance: float) -> str:
         return f"its own code loses precision (rel-L2 {own.rel_l2:.3g} > {tolerance:.3g})"
     if out.nonfinite:
         return "its output turns NaN/Inf on finite inputs"
-    if out.rel_l2 > tolerance and out.rel_l2 > AMPLIFICATION * max(input_error, tolerance / AMPLIFICATION):
+    received = max(input_error, tolerance / AMPLIFICATION)
+    if out.rel_l2 > tolerance and out.rel_l2 > AMPLIFICATION * received:
         return f"amplifies its inputs' rounding error {out.rel_l2 / max(input_error, 1e-12):.0f}x"
     return ""
 
@@ -405,12 +425,14 @@ def _clone(value):
 def _cast_like(reference, low):
     """``reference``'s tensors cast to the dtypes of the matching tensors in ``low``."""
     if torch.is_tensor(reference) and torch.is_tensor(low):
-        return reference.to(low.dtype) if reference.is_floating_point() and low.is_floating_point() else reference
+        both_float = reference.is_floating_point() and low.is_floating_point()
+        return reference.to(low.dtype) if both_float else reference
     if isinstance(reference, dict) and isinstance(low, dict):
         return {k: _cast_like(v, low.get(k)) for k, v in reference.items()}
     if isinstance(reference, tuple) and hasattr(reference, "_fields"):  # namedtuple
         return type(reference)(*(_cast_like(r, x) for r, x in zip(reference, low)))
-    if isinstance(reference, (list, tuple)) and isinstance(low, (list, tuple)) and len(reference) == len(low):
+    sequences = isinstance(reference, (list, tuple)) and isinstance(low, (list, tuple))
+    if sequences and len(reference) == len(low):
         return type(reference)(_cast_like(r, x) for r, x in zip(reference, low))
     return reference
 

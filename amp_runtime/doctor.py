@@ -41,7 +41,8 @@ class CudaDevice:
 
     def to_json(self) -> Dict[str, Any]:
         data = asdict(self)
-        data.update(tensor_cores=self.tensor_cores, bf16=self.bf16, tf32=self.tf32, fast_fp16=self.fast_fp16)
+        data.update(tensor_cores=self.tensor_cores, bf16=self.bf16, tf32=self.tf32,
+                    fast_fp16=self.fast_fp16)
         return data
 
 
@@ -98,25 +99,34 @@ class DoctorResult:
         if not caps.cuda_devices:
             lines.append("CUDA devices: none")
         for dev in caps.cuda_devices:
-            feats = [f"{name} {'yes' if ok else 'no'}" for name, ok in (
-                ("tensor cores", dev.tensor_cores), ("fast fp16", dev.fast_fp16), ("bf16", dev.bf16), ("tf32", dev.tf32))]
+            features = (("tensor cores", dev.tensor_cores), ("fast fp16", dev.fast_fp16),
+                        ("bf16", dev.bf16), ("tf32", dev.tf32))
+            feats = [f"{name} {_yes(ok)}" for name, ok in features]
             lines.append(
                 f"cuda:{dev.index}  {dev.name}  sm_{dev.capability[0]}{dev.capability[1]}  "
                 f"{dev.memory_gib:.0f} GiB  " + ", ".join(feats))
         lines.append(
-            f"CPU: {caps.cpu_capability}, native bf16 {'yes' if caps.cpu_bf16_native else 'no'}, "
-            f"native fp16 {'yes' if caps.cpu_fp16_native else 'no'}, "
+            f"CPU: {caps.cpu_capability}, native bf16 {_yes(caps.cpu_bf16_native)}, "
+            f"native fp16 {_yes(caps.cpu_fp16_native)}, "
             f"CPU autocast dtypes: {', '.join(caps.cpu_autocast_dtypes) or 'none'}")
-        lines.append(f"TF32: matmul {'on' if caps.tf32_matmul else 'off'}, cuDNN {'on' if caps.tf32_cudnn else 'off'}")
+        lines.append(f"TF32: matmul {_on(caps.tf32_matmul)}, cuDNN {_on(caps.tf32_cudnn)}")
         if caps.mps:
             lines.append("Apple MPS: available")
         for rec in self.recommendations:
             scaler = "with GradScaler" if rec.scaler else "no GradScaler"
-            autocast = "no autocast" if rec.dtype == "float32" else f"{rec.dtype} autocast, {scaler}"
-            lines += ["", f"Recommended on {rec.device}: {autocast}"]
+            advice = "no autocast" if rec.dtype == "float32" else f"{rec.dtype} autocast, {scaler}"
+            lines += ["", f"Recommended on {rec.device}: {advice}"]
             lines += [f"  - {reason}" for reason in rec.reasons]
             lines += [f"    {line}" for line in rec.code]
         return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def probe() -> Capabilities:
@@ -127,7 +137,8 @@ def probe() -> Capabilities:
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            devices.append(CudaDevice(index, props.name, (props.major, props.minor), props.total_memory / 2**30))
+            capability = (props.major, props.minor)
+            devices.append(CudaDevice(index, props.name, capability, props.total_memory / 2**30))
     cpu = torch.cpu
     return Capabilities(
         torch_version=torch.__version__,
@@ -168,7 +179,8 @@ def recommend(caps: Capabilities) -> List[Recommendation]:
 def _recommend_cuda(dev: CudaDevice, caps: Capabilities) -> Recommendation:
     device = f"cuda:{dev.index} ({dev.name})"
     if dev.bf16:
-        tf32 = [] if caps.tf32_matmul else ["torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 ops"]
+        tf32 = [] if caps.tf32_matmul else [
+            "torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 ops"]
         return Recommendation(
             device, "bfloat16", None,
             ['with torch.autocast("cuda", dtype=torch.bfloat16):', *tf32],
@@ -208,7 +220,8 @@ def _recommend_cuda(dev: CudaDevice, caps: Capabilities) -> Recommendation:
 
 def _recommend_cpu(caps: Capabilities) -> Recommendation:
     if "bfloat16" not in caps.cpu_autocast_dtypes:
-        return Recommendation("cpu", "float32", None, [], ["CPU autocast does not produce bfloat16 on this build."])
+        return Recommendation("cpu", "float32", None, [],
+                              ["CPU autocast does not produce bfloat16 on this build."])
     code = ['with torch.autocast("cpu", dtype=torch.bfloat16):']
     no_scaler = "bfloat16 has float32's exponent range, so no GradScaler is needed."
     if caps.cpu_bf16_native:

@@ -55,9 +55,10 @@ class RunLog:
         xs, ys = [], []
         for record in self.steps:
             value = record.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            number = _number(value)
+            if number is not None and math.isfinite(number):
                 xs.append(record["step"])
-                ys.append(float(value))
+                ys.append(number)
         return xs, ys
 
     def skipped_steps(self) -> List[int]:
@@ -69,7 +70,8 @@ class RunLog:
         names: Dict[str, None] = {}
         for record in rows:
             names.update(dict.fromkeys(record["layers"]))
-        matrix = [[_number((r["layers"].get(name) or {}).get(stat)) for r in rows] for name in names]
+        matrix = [[_number((r["layers"].get(name) or {}).get(stat)) for r in rows]
+                  for name in names]
         return list(names), [r["step"] for r in rows], matrix
 
 
@@ -86,7 +88,8 @@ def load_run(log_dir: Union[str, Path]) -> RunLog:
         raise ReportError(f"{folder}: no such directory")
     events_path, metrics_path = folder / EVENTS_FILE, folder / METRICS_FILE
     if not events_path.exists() and not metrics_path.exists():
-        raise ReportError(f"{folder}: neither {EVENTS_FILE} nor {METRICS_FILE} found (is it a guard's log_dir?)")
+        raise ReportError(f"{folder}: neither {EVENTS_FILE} nor {METRICS_FILE} found "
+                          "(is it a guard's log_dir?)")
     run = RunLog(folder)
     if events_path.exists():
         try:
@@ -145,14 +148,16 @@ def diagnose(run: RunLog) -> List[str]:
     norm_steps, norms = run.series("grad_norm")
     if norms and max(norms) > Thresholds().grad_explosion:
         peak = max(range(len(norms)), key=norms.__getitem__)
-        findings.append(f"The total gradient norm peaked at {norms[peak]:.3g} at step {norm_steps[peak]}.")
+        findings.append(
+            f"The total gradient norm peaked at {norms[peak]:.3g} at step {norm_steps[peak]}.")
     if run.events:
         counts = Counter(e.code for e in run.events)
         worst = min(run.events, key=lambda e: severity_rank(e.severity))
         severities = Counter(e.severity for e in run.events)
+        by_severity = ", ".join(f"{severities[s]} {s}" for s in sorted(severities))
+        frequent = ", ".join(f"{c} ×{n}" for c, n in counts.most_common(3))
         findings.append(
-            f"{len(run.events)} event(s) ({', '.join(f'{severities[s]} {s}' for s in sorted(severities))}); "
-            f"most frequent {', '.join(f'{c} ×{n}' for c, n in counts.most_common(3))}; "
+            f"{len(run.events)} event(s) ({by_severity}); most frequent {frequent}; "
             f"worst: {worst.code} {worst.name}{_where(worst)}.")
     if not (overflow or bad_loss or run.events):
         _, scales = run.series("loss_scale")
@@ -259,7 +264,8 @@ def _draw_loss(run, axes, figure) -> str:
     axes.plot(steps, losses, color="tab:blue", lw=1.2)
     bad = [r["step"] for r in run.steps if _is_nonfinite(r.get("loss"))]
     if bad:
-        axes.scatter(bad, [min(losses)] * len(bad), marker="x", color="red", label="NaN/Inf loss", zorder=3)
+        axes.scatter(bad, [min(losses)] * len(bad), marker="x", color="red",
+                     label="NaN/Inf loss", zorder=3)
         axes.legend(loc="upper right", fontsize=8)
     axes.set_xlabel("step")
     return ""
@@ -296,7 +302,8 @@ def _draw_layer_heatmap(run, axes, figure) -> str:
     names, steps, matrix = run.layer_matrix("norm")
     if not names:
         return "no per-layer gradient statistics were recorded"
-    values = [[math.log10(v) if v and v > 0 and math.isfinite(v) else math.nan for v in row] for row in matrix]
+    values = [[math.log10(v) if v and v > 0 and math.isfinite(v) else math.nan for v in row]
+              for row in matrix]
     figure.set_size_inches(10, max(2.5, 0.9 + 0.22 * len(names)))
     image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))
@@ -355,17 +362,23 @@ _PLOTS: Sequence[Tuple[str, str, Callable]] = (
 # The page
 
 _STYLE = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1100px;color:#222;padding:0 12px}
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;
+  max-width:1100px;color:#222;padding:0 12px}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 .meta{color:#666;margin-bottom:14px}
 .diagnosis{background:#fff8e1;border-left:4px solid #f9a825;padding:8px 16px}
 .diagnosis.ok{background:#e8f5e9;border-color:#43a047}
 figure{margin:10px 0} figure img{max-width:100%}
 .missing{color:#777;font-style:italic;border:1px dashed #ccc;padding:8px}
-table{border-collapse:collapse;width:100%;font-size:12px} th,td{border:1px solid #ddd;padding:3px 6px;vertical-align:top;text-align:left}
+table{border-collapse:collapse;width:100%;font-size:12px}
+th,td{border:1px solid #ddd;padding:3px 6px;vertical-align:top;text-align:left}
 th{background:#f5f5f5} td code{white-space:pre-wrap}
 .P0{color:#c62828;font-weight:600} .P1{color:#ef6c00} .P2{color:#1565c0}
 """
+_NO_MATPLOTLIB = (
+    "Plots need matplotlib, which is not installed "
+    '(<code>pip install "flake8-amp[report]"</code>); the diagnosis and events are below.'
+)
 
 
 def render(run: RunLog) -> str:
@@ -373,72 +386,87 @@ def render(run: RunLog) -> str:
     esc = html.escape
     diagnosis = diagnose(run)
     healthy = diagnosis[0].startswith("No problems found")
+    counts = f"{len(run.steps)} step(s), {len(run.events)} event(s)"
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>amp_runtime report — {esc(run.log_dir.name)}</title>",
         f"<style>{_STYLE}</style></head><body>",
         "<h1>amp_runtime report</h1>",
-        f'<div class="meta">{esc(str(run.log_dir))} — {len(run.steps)} step(s), {len(run.events)} event(s)</div>',
-        f'<section id="diagnosis" class="diagnosis{" ok" if healthy else ""}"><h2>Diagnosis</h2><ul>',
+        f'<div class="meta">{esc(str(run.log_dir))} — {counts}</div>',
+        f'<section id="diagnosis" class="diagnosis{" ok" if healthy else ""}">',
+        "<h2>Diagnosis</h2><ul>",
         *(f"<li>{esc(sentence)}</li>" for sentence in diagnosis),
         "</ul></section>",
         '<section id="plots"><h2>Plots</h2>',
     ]
     plots = _plots(run)
     if plots is None:
-        parts.append('<p class="missing" id="no-matplotlib">Plots need matplotlib, which is not installed '
-                     '(<code>pip install "flake8-amp[report]"</code>); the diagnosis and events are below.</p>')
-    else:
-        for plot in plots:
-            if plot.png is None:
-                parts.append(f'<figure class="plot missing" id="plot-{plot.key}">{esc(plot.title)}: '
-                             f"{esc(plot.empty_reason)}</figure>")
-            else:
-                parts.append(f'<figure class="plot" id="plot-{plot.key}"><img alt="{esc(plot.title)}" '
-                             f'src="data:image/png;base64,{plot.png}"></figure>')
+        parts.append(f'<p class="missing" id="no-matplotlib">{_NO_MATPLOTLIB}</p>')
+    for plot in plots or ():
+        figure_id = f"plot-{plot.key}"
+        if plot.png is None:
+            parts.append(f'<figure class="plot missing" id="{figure_id}">'
+                         f"{esc(plot.title)}: {esc(plot.empty_reason)}</figure>")
+        else:
+            parts.append(f'<figure class="plot" id="{figure_id}"><img alt="{esc(plot.title)}" '
+                         f'src="data:image/png;base64,{plot.png}"></figure>')
     parts.append("</section>")
-    parts += _summary_table(run)
-    parts += _events_table(run)
+    parts += _section("summary", "Events by code and place", _summary_rows(run))
+    parts += _section("events", "Events", _event_rows(run))
+    if len(run.events) > MAX_EVENT_ROWS:
+        more = len(run.events) - MAX_EVENT_ROWS
+        parts.append(f"<p>… and {more} more event(s), all in {EVENTS_FILE}.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def _summary_table(run: RunLog) -> List[str]:
-    esc = html.escape
-    rows = ['<section id="summary"><h2>Events by code and place</h2>']
-    if not run.events:
-        return rows + ["<p>No events.</p></section>"]
-    rows.append("<table><tr><th>code</th><th>severity</th><th>count</th><th>first step</th>"
-                "<th>op</th><th>module</th><th>source</th><th>message</th></tr>")
-    groups = sorted(Report(run.events).grouped(), key=lambda g: (severity_rank(g[0].severity), g[0].code))
-    for group in groups:
-        e = group[0]
-        rows.append(
-            f'<tr><td>{esc(e.code)}</td><td class="{esc(e.severity)}">{esc(e.severity)}</td><td>{len(group)}</td>'
-            f"<td>{'' if e.step is None else e.step}</td><td>{esc(e.op or '')}</td><td>{esc(e.module or '')}</td>"
-            f"<td>{esc(e.source or '')}</td><td>{esc(e.message)}</td></tr>")
-    return rows + ["</table></section>"]
+Table = Tuple[Sequence[str], List[List[str]]]
 
 
-def _events_table(run: RunLog) -> List[str]:
+def _section(section_id: str, title: str, table: Table) -> List[str]:
+    """A titled section holding one table (header names, rows of cell HTML), or "No events."."""
+    header, rows = table
+    lines = [f'<section id="{section_id}"><h2>{title}</h2>']
+    if not rows:
+        return lines + ["<p>No events.</p></section>"]
+    lines.append("<table><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>")
+    lines += ["<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows]
+    return lines + ["</table></section>"]
+
+
+def _severity_cell(severity: str) -> str:
+    return f'<span class="{html.escape(severity)}">{html.escape(severity)}</span>'
+
+
+def _summary_rows(run: RunLog) -> Table:
+    """One row per (code, source, module), worst severity first."""
     esc = html.escape
-    rows = ['<section id="events"><h2>Events</h2>']
-    if not run.events:
-        return rows + ["<p>No events.</p></section>"]
-    rows.append("<table><tr><th>step</th><th>code</th><th>severity</th><th>op</th><th>module</th>"
-                "<th>source</th><th>message</th></tr>")
+    groups = sorted(Report(run.events).grouped(),
+                    key=lambda group: (severity_rank(group[0].severity), group[0].code))
+    rows = [
+        [esc(e.code), _severity_cell(e.severity), str(len(group)), _step(e), esc(e.op or ""),
+         esc(e.module or ""), esc(e.source or ""), esc(e.message)]
+        for group in groups for e in group[:1]
+    ]
+    header = ("code", "severity", "count", "first step", "op", "module", "source", "message")
+    return header, rows
+
+
+def _event_rows(run: RunLog) -> Table:
+    """Every event (up to MAX_EVENT_ROWS) with the text of its source line."""
+    esc = html.escape
+    rows = []
     for e in run.events[:MAX_EVENT_ROWS]:
         line = _source_text(e.source)
         source = esc(e.source or "") + (f"<br><code>{esc(line)}</code>" if line else "")
-        rows.append(
-            f"<tr><td>{'' if e.step is None else e.step}</td><td>{esc(e.code)}</td>"
-            f'<td class="{esc(e.severity)}">{esc(e.severity)}</td><td>{esc(e.op or "")}</td>'
-            f"<td>{esc(e.module or '')}</td><td>{source}</td><td>{esc(e.message)}</td></tr>")
-    rows.append("</table>")
-    if len(run.events) > MAX_EVENT_ROWS:
-        rows.append(f"<p>… and {len(run.events) - MAX_EVENT_ROWS} more event(s), all in {EVENTS_FILE}.</p>")
-    return rows + ["</section>"]
+        rows.append([_step(e), esc(e.code), _severity_cell(e.severity), esc(e.op or ""),
+                     esc(e.module or ""), source, esc(e.message)])
+    return ("step", "code", "severity", "op", "module", "source", "message"), rows
+
+
+def _step(event: Event) -> str:
+    return "" if event.step is None else str(event.step)
 
 
 def _source_text(source: Optional[str]) -> str:

@@ -85,14 +85,16 @@ def amp_guard(request: pytest.FixtureRequest):
     marker = request.node.get_closest_marker(FIXTURE)
     options = dict(marker.kwargs) if marker else {}
     if marker and marker.args:
-        raise TypeError("@pytest.mark.amp_guard takes keyword arguments only (allow=, trace=, policy=, ...)")
+        raise TypeError("@pytest.mark.amp_guard takes keyword arguments only "
+                        "(allow=, trace=, policy=, ...)")
     allow = _codes(request.config.getini("amp_guard_allow")) + _codes(options.pop("allow", ()))
     options.setdefault("trace", request.config.getini("amp_guard_trace") or "auto")
     options.setdefault("policy", "record")
     try:
         import torch  # noqa: F401  (the guard needs it; say so plainly when it is missing)
     except ImportError as err:
-        pytest.fail(f"the amp_guard fixture needs torch ({err}); install flake8-amp[runtime]", pytrace=False)
+        pytest.fail(f"the amp_guard fixture needs torch ({err}); install flake8-amp[runtime]",
+                    pytrace=False)
     import amp_runtime
 
     with amp_runtime.guard(**options) as guard:
@@ -124,4 +126,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         f"amp_guard: {len(failing)} AMP event(s) not allowed{allowed}\n"
         f"{Report(failing).summary(width=160)}"
     )
-

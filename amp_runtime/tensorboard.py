@@ -17,13 +17,16 @@ from .monitors import Monitor
 
 #: Per-step values of the step record written as scalars.
 RECORD_SCALARS = ("loss", "loss_scale", "grad_norm")
-_INSTALL_HINT = 'guard(tensorboard=...) needs the tensorboard package: pip install "flake8-amp[tensorboard]"'
+_INSTALL_HINT = (
+    'guard(tensorboard=...) needs the tensorboard package: pip install "flake8-amp[tensorboard]"'
+)
 
 
 class TensorBoardWriter(Monitor):
     def __init__(self, target):
         super().__init__()
-        if not (isinstance(target, (str, os.PathLike)) or callable(getattr(target, "add_scalar", None))):
+        is_writer = callable(getattr(target, "add_scalar", None))
+        if not (isinstance(target, (str, os.PathLike)) or is_writer):
             raise TypeError(
                 "guard(tensorboard=...) takes a SummaryWriter or a log folder path, "
                 f"got {type(target).__name__}")

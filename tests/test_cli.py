@@ -38,7 +38,8 @@ def test_run_executes_the_script_as_main_with_its_argv_path_and_exit_code(tmp_pa
         print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__}))
         sys.exit(3)
     """)
-    result = amp_runtime("run", "--out", "out", "sub/train.py", "--epochs", "1", "--x", cwd=tmp_path)
+    result = amp_runtime("run", "--out", "out", "sub/train.py", "--epochs", "1", "--x",
+                         cwd=tmp_path)
     assert result.returncode == 3, result.stderr
     seen = json.loads(result.stdout)
     assert seen == {"argv": ["sub/train.py", "--epochs", "1", "--x"],
@@ -70,7 +71,8 @@ def test_run_options_select_policy_and_no_report(tmp_path):
     assert not (tmp_path / "amp-report" / "report.html").exists()
     assert (tmp_path / "amp-report" / "events.jsonl").exists()
 
-    raised = amp_runtime("run", "--trace", "always", "--policy", "raise", "overflow.py", cwd=tmp_path)
+    raised = amp_runtime("run", "--trace", "always", "--policy", "raise", "overflow.py",
+                         cwd=tmp_path)
     assert raised.returncode == 1
     assert 'File "' in raised.stderr and "overflow.py\", line 3" in raised.stderr
     assert "GuardError: AMP101" in raised.stderr
@@ -117,7 +119,8 @@ def test_compare_imports_a_factory_and_names_the_module_to_keep(tmp_path):
     assert text.returncode == 0, text.stderr
     assert "Keep in float32:\n  1: its own code overflows to NaN/Inf" in text.stdout
     assert "def keep_fp32(module):" in text.stdout
-    data = json.loads(amp_runtime("compare", "model:example", "--json", "--dtype", "float16", cwd=tmp_path).stdout)
+    as_json = amp_runtime("compare", "model:example", "--json", "--dtype", "float16", cwd=tmp_path)
+    data = json.loads(as_json.stdout)
     assert data["keep_fp32"] == ["1"] and data["dtype"] == "float16"
 
 

@@ -8,7 +8,8 @@ from amp_runtime.doctor import Capabilities, CudaDevice, diagnose, probe, recomm
 
 def _caps(devices=(), bf16_native=False, tf32=False):
     return Capabilities(
-        torch_version="2.4.0", cuda_version="12.1" if devices else None, cuda_devices=tuple(devices),
+        torch_version="2.4.0", cuda_version="12.1" if devices else None,
+        cuda_devices=tuple(devices),
         cpu_capability="AVX512", cpu_bf16_native=bf16_native, cpu_fp16_native=False,
         cpu_autocast_dtypes=("bfloat16", "float16"), tf32_matmul=tf32, tf32_cudnn=True,
     )

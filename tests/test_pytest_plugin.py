@@ -1,6 +1,4 @@
 """The amp_guard pytest plugin, exercised through real pytest sessions (pytester)."""
-import pytest
-
 pytest_plugins = ["pytester"]
 
 HEALTHY = """

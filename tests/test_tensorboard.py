@@ -24,11 +24,10 @@ def _train(g, steps=4, overflow_at=2):
             loss = model(torch.randn(4, 8)).float().pow(2).mean()
         opt.zero_grad()
         scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
         if i == overflow_at:
             g.emit("AMP102", op="mul", value=61000.0)
-        g.step()
+        scaler.step(opt)
+        scaler.update()  # ends the guard's step
 
 
 def _scalars(log_dir):
@@ -38,12 +37,18 @@ def _scalars(log_dir):
 
 
 def test_event_counts_are_written_every_step(tmp_path):
-    with amp_runtime.guard(tensorboard=tmp_path / "tb", policy="record") as g:
+    # the loss is recorded by the metrics log, which log_dir turns on
+    with amp_runtime.guard(tensorboard=tmp_path / "tb", log_dir=tmp_path, policy="record") as g:
         _train(g)
     scalars = _scalars(tmp_path / "tb")
     assert scalars["amp/events/total"] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert scalars["amp/events/AMP102"] == [(2, 1), (3, 1)]
     assert scalars["amp/events/P1"] == [(2, 1), (3, 1)]
+    # the step record's numbers: the scaler's scale before each update, no step skipped
+    assert scalars["amp/loss_scale"] == [(i, 65536.0) for i in range(4)]
+    assert scalars["amp/skipped"] == [(i, 0.0) for i in range(4)]
+    assert [step for step, _ in scalars["amp/loss"]] == [0, 1, 2, 3]
+    assert all(norm > 0 for _, norm in scalars["amp/grad_norm"])
 
 
 def test_a_users_writer_is_used_and_left_open(tmp_path):
@@ -73,6 +78,7 @@ def test_missing_tensorboard_is_a_clear_error(tmp_path):
         "except ImportError as err:\n"
         "    print('ERROR', err)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
     assert "ERROR guard(tensorboard=...) needs the tensorboard package" in out
     assert 'pip install "flake8-amp[tensorboard]"' in out
