@@ -12,6 +12,7 @@ computation and checking them would only cost time.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -244,6 +245,9 @@ class Guard:
             os.makedirs(self.log_dir, exist_ok=True)
             self._events_file = open(os.path.join(self.log_dir, "events.jsonl"), "w", encoding="utf-8")
         self.tracker.attach()
+        # The mode leaves before any other optimizer pre-hook runs and comes back after
+        # every post-hook: the optimizer and the monitors' per-step work run unobserved.
+        self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._optimizer_step_starts))
         for monitor in self._build_monitors():
             self.monitors.append(monitor)
             monitor.attach(self)
@@ -254,10 +258,7 @@ class Guard:
         )
         self._mode.set_tracing(self._tracing)
         self._mode.__enter__()
-        self._optimizer_hooks = [
-            register_optimizer_step_pre_hook(self._optimizer_step_starts),
-            register_optimizer_step_post_hook(self._optimizer_step_ends),
-        ]
+        self._optimizer_hooks.append(register_optimizer_step_post_hook(self._optimizer_step_ends))
 
     def _uninstall(self) -> None:
         """Remove everything ``_install`` put in place, whatever state it reached."""
@@ -313,7 +314,7 @@ class Guard:
             self._mode.set_passthrough(suspended)
 
     def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
-        if threading.get_ident() == self._thread and self._mode is not None:
+        if threading.get_ident() == self._thread and self._mode is not None and not self._mode_left_for_optimizer:
             self._mode_left_for_optimizer = self._mode.suspend()
 
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
@@ -321,7 +322,22 @@ class Guard:
             self._mode_left_for_optimizer = False
             self._mode.resume()
 
+    @contextlib.contextmanager
+    def unobserved(self):
+        """Run the guard's own bookkeeping (tensor reads in hooks, step-end work) without
+        its mode: otherwise every ``.grad`` or ``.dtype`` read would pass through it."""
+        left = self._mode is not None and self._mode.suspend()
+        try:
+            yield
+        finally:
+            if left:
+                self._mode.resume()
+
     def _end_step(self) -> None:
+        with self.unobserved():
+            self._finish_step()
+
+    def _finish_step(self) -> None:
         step = self.step_index
         for monitor in self.monitors:
             monitor.flush()

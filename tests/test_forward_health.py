@@ -227,3 +227,26 @@ def test_no_grad_inference_mode_custom_function_and_shared_weights():
         with torch.no_grad():
             shared.half()(torch.ones(3, 4, dtype=torch.float16))
     assert [e.code for e in g.report if e.code.startswith("AMP1")] == []
+
+
+def test_deliberate_infinite_masks_are_not_first_causes():
+    scores = torch.randn(4, 4, dtype=torch.float16)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        masked = scores.masked_fill(~causal, float("-inf"))
+        weights = torch.softmax(masked, dim=-1)
+    assert torch.isfinite(weights).all()
+    assert g.report.events == []
+
+
+def test_module_paths_without_a_model_follow_the_running_modules():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), shared)
+    x = torch.full((1, 4), 300.0, dtype=torch.float16)
+    with torch.no_grad():
+        shared.weight.fill_(300.0)
+    with amp_runtime.guard(policy="record", trace="always", select=["AMP101"]) as g:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)  # the first call of ``shared`` overflows: 4 * 300 * 300 > 65504
+    (event,) = g.report
+    assert event.module == "0.0" and event.op == "linear"

@@ -154,12 +154,16 @@ class ForwardMonitor(Monitor):
     @staticmethod
     def _record_inputs(args, kwargs, out, details) -> bool:
         """Add the inputs' dtypes and max |x| to ``details``; True if the op had tensor
-        inputs and all were finite (a factory's output is what the user asked for).
+        inputs and all were finite (a factory's output, or an inf the user passed as a
+        constant, is what the user asked for).
 
         An in-place op's output is its own input and holds the new values, so it is left
         out: its old values were checked when they were produced.
         """
-        tensors = [t for v in (*args, *kwargs.values()) for t in tensors_in(v)]
+        values = (*args, *kwargs.values())
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            return False  # a deliberate inf/NaN constant, e.g. masked_fill(mask, float("-inf"))
+        tensors = [t for v in values for t in tensors_in(v)]
         inputs = [t for t in tensors if t is not out and t.is_floating_point()]
         maxima = [peak(t).item() for t in inputs]
         details["input_dtypes"] = [dtype_name(t.dtype) for t in inputs]

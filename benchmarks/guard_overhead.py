@@ -1,0 +1,179 @@
+"""Overhead of amp_runtime.guard on a small GPT-like training step (CPU).
+
+    python benchmarks/guard_overhead.py            # full run
+    python benchmarks/guard_overhead.py --quick    # fewer repetitions
+
+Two shapes: "compute" (d=128, matmul-bound) and "host" (d=32, tiny: Python time per op
+dominates, the better proxy for a GPU where kernels are fast). Precisions: fp32, and
+bf16/fp16 autocast (fp16 with a GradScaler). Variants are alternated within one process
+so that drift hits all of them alike; the table shows the median CPU time per step and
+the ratio to the unguarded step. One intra-op thread keeps the numbers stable.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_runtime
+
+
+class Attention(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(width // self.heads)
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = F.softmax(scores, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab, width, heads, layers, length):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(length, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    width: int
+    heads: int
+    layers: int
+    length: int
+    batch: int
+    vocab: int = 256
+
+
+SHAPES = {
+    "compute": Shape("compute", width=128, heads=4, layers=2, length=64, batch=8),
+    "host": Shape("host", width=32, heads=2, layers=2, length=32, batch=8),
+}
+#: Low-precision matmul is ~12x slower than fp32 on this CPU: smaller compute shape there.
+LOW_PRECISION_COMPUTE = Shape("compute", width=128, heads=4, layers=1, length=32, batch=4)
+
+
+class Trainer:
+    """One model, optimizer and (for fp16) GradScaler; ``step()`` is one training step."""
+
+    def __init__(self, shape: Shape, dtype: torch.dtype):
+        torch.manual_seed(0)
+        self.shape, self.dtype = shape, dtype
+        self.model = TinyGPT(shape.vocab, shape.width, shape.heads, shape.layers, shape.length)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+        generator = torch.Generator().manual_seed(0)
+        self.batch = torch.randint(shape.vocab, (shape.batch, shape.length + 1), generator=generator)
+
+    def step(self) -> None:
+        idx, target = self.batch[:, :-1], self.batch[:, 1:]
+        with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
+            logits = self.model(idx)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+
+
+VARIANTS = {
+    "no guard": lambda: contextlib.nullcontext(),
+    'trace="off"': lambda: amp_runtime.guard(policy="record", trace="off"),
+    'trace="auto" (healthy)': lambda: amp_runtime.guard(policy="record", trace="auto"),
+    'trace="always"': lambda: amp_runtime.guard(policy="record", trace="always"),
+    "detect_anomaly()": lambda: torch.autograd.detect_anomaly(check_nan=True),
+}
+
+
+def measure(trainer: Trainer, repetitions: int, steps: int) -> dict:
+    """Median CPU seconds per step for each variant, variants alternated per repetition."""
+    names = list(VARIANTS)
+    samples = {name: [] for name in names}
+    events = {name: 0 for name in names}
+    for repetition in range(repetitions):
+        order = names[repetition % len(names):] + names[: repetition % len(names)]
+        for name in order:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # detect_anomaly announces itself
+                context = VARIANTS[name]()
+            with context as guard:
+                trainer.step()  # warm-up inside the variant
+                start = time.process_time()
+                for _ in range(steps):
+                    trainer.step()
+                samples[name].append((time.process_time() - start) / steps)
+            if isinstance(guard, amp_runtime.Guard):
+                events[name] += len(guard.report)
+    return {name: (statistics.median(samples[name]), events[name]) for name in names}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (rougher numbers)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    options = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    repetitions = 5 if options.quick else 15
+    print(f"torch {torch.__version__}, CPU time per step, median of {repetitions} alternated runs\n")
+    print("| shape | precision | variant | ms/step | × no guard | events |")
+    print("|---|---|---|---|---|---|")
+    for shape_name in options.shapes:
+        shape = SHAPES[shape_name]
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            used = LOW_PRECISION_COMPUTE if shape_name == "compute" and dtype != torch.float32 else shape
+            trainer = Trainer(used, dtype)
+            steps = 2 if shape_name == "compute" else 20
+            results = measure(trainer, repetitions, steps)
+            baseline = results["no guard"][0]
+            for name, (seconds, events) in results.items():
+                label = f"{shape_name} (d={used.width}, {used.layers} layers)"
+                print(f"| {label} | {str(dtype).replace('torch.', '')} | {name} | {seconds * 1e3:.2f} "
+                      f"| {seconds / baseline:.3f} | {events if name.startswith('trace') else '-'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
