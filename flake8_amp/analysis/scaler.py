@@ -44,7 +44,7 @@ HELPED = "helped"  # a helper received the scaler: it may have unscaled/stepped/
 
 #: Above this many distinct path states, conditions are forgotten (paths still merge).
 _MAX_STATES = 64
-_AMP_FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "scaler", "autocast", "float16"})
+_AMP_FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"})
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 _AMP_CONDITION = "<amp enabled>"
 _SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)

@@ -10,6 +10,7 @@ dtype-conditional value (``-1e9 if x.dtype == torch.float32 else -1e4``) is fine
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional, Tuple
 
 from astroid import nodes
@@ -30,6 +31,8 @@ FILL_METHODS = {
     "fill_": (0, "value"),
     "new_full": (1, "fill_value"),
 }
+#: A literal that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``2 ** 32``.
+BIG_LITERAL = re.compile(r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)|\d{6}|\b[6-9]\d{4}\b|\*\*\s*\d\d")
 _MAX_DEPTH = 6
 _MAX_EXPONENT = 1024
 
@@ -96,6 +99,10 @@ class Fp16OverflowLiteral(Check):
 
     code = "AMP007"
     triggers = ("fill", "full", "where", "] =")
+
+    @classmethod
+    def applies(cls, source, options):
+        return super().applies(source, options) and BIG_LITERAL.search(source) is not None
 
     def visit_call(self, node: nodes.Call) -> None:
         fill = self._fill(node)

@@ -1,7 +1,10 @@
 """AMP009 deprecated-amp-api: ``torch.cuda.amp`` / ``torch.cpu.amp`` spellings of ``torch.amp``.
 
 Every use is reported where it is spelled (through imports and module aliases, not
-through variables, so ``ac = torch.cuda.amp.autocast; ac()`` is one finding). Code that
+through variables, so ``ac = torch.cuda.amp.autocast; ac()`` is one finding). A use is a
+call, a decorator, a ``functools.partial`` target or an alias assignment; comparisons,
+``isinstance`` checks and collections of the old classes (libraries that recognise both
+APIs) are not uses. Code that
 picks the API by torch version stays silent: a ``try`` that also tries ``torch.amp``
 (``except (AttributeError, ImportError, TypeError)``), either arm of an ``if``/conditional
 expression that tests the version (or ``hasattr``) or offers ``torch.amp`` in its other
@@ -24,6 +27,7 @@ REPLACEMENTS = {
     "torch.cuda.amp.custom_fwd": 'torch.amp.custom_fwd(device_type="cuda")',
     "torch.cuda.amp.custom_bwd": 'torch.amp.custom_bwd(device_type="cuda")',
 }
+PARTIAL = frozenset({"functools.partial"})
 #: Exceptions a version fallback catches.
 FALLBACK_EXCEPTIONS = frozenset({"AttributeError", "ImportError", "ModuleNotFoundError", "TypeError", "Exception"})
 VERSION_TEST = re.compile(r"version|hasattr|getattr|torch_(ge|gt|le|lt)|_(ge|gt|le|lt)_\d|is_torch_", re.IGNORECASE)
@@ -45,9 +49,21 @@ class DeprecatedAmpApi(Check):
             self._check(node)
 
     def _check(self, node: nodes.NodeNG) -> None:
+        if not self._is_use(node):
+            return
         old = self.context.names.qualname(node)
         if old in REPLACEMENTS and not self._version_gated(node):
             self.report(node, old=old, new=REPLACEMENTS[old])
+
+    def _is_use(self, node: nodes.NodeNG) -> bool:
+        parent = node.parent
+        if isinstance(parent, nodes.Call):
+            if parent.func is node:
+                return True
+            return bool(parent.args) and parent.args[0] is node and self.context.names.qualname(parent.func) in PARTIAL
+        if isinstance(parent, (nodes.Assign, nodes.AnnAssign)):
+            return parent.value is node
+        return isinstance(parent, nodes.Decorators)
 
     def _version_gated(self, node: nodes.NodeNG) -> bool:
         child, parent = node, node.parent

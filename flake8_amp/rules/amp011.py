@@ -7,6 +7,7 @@ the same function. bf16 shares fp32's exponent range, so 1e-8 is fine there.
 """
 from __future__ import annotations
 
+import re
 from typing import Optional, Tuple
 
 from astroid import nodes
@@ -31,6 +32,8 @@ ADD_METHODS = frozenset({"add", "add_"})
 CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"})
 CLAMP_FUNCTIONS = frozenset({"torch.clamp", "torch.clip", "torch.clamp_min"})
 FP16_CASTS = frozenset({"half", "to", "type"})
+#: A literal of 1e-8 or smaller somewhere in the source (``1e-8``, ``1E-10``, ``1e-08``).
+TINY_LITERAL = re.compile(r"\d[eE]-0?(?:[89]|[1-9]\d)")
 
 
 def _is_tiny(value: Optional[float]) -> bool:
@@ -41,7 +44,11 @@ class TinyEpsilon(Check):
     """The epsilon rounds to exactly zero in fp16, so the guarded division or log is not guarded."""
 
     code = "AMP011"
-    triggers = ("e-",)
+    triggers = ("half", "float16", "autocast")
+
+    @classmethod
+    def applies(cls, source, options):
+        return super().applies(source, options) and TINY_LITERAL.search(source) is not None
 
     def visit_binop(self, node: nodes.BinOp) -> None:
         if node.op != "+":

@@ -1,4 +1,6 @@
 """AMP009 deprecated-amp-api: torch.cuda.amp / torch.cpu.amp spellings of the torch.amp API."""
+import functools
+
 import torch
 import torch.cuda.amp
 import torch.cuda.amp as cuda_amp
@@ -119,8 +121,8 @@ class Config:
     scaler_class = torch.cuda.amp.GradScaler  # AMP009
 
 
-def isinstance_check(obj):
-    return isinstance(obj, torch.cuda.amp.GradScaler)  # AMP009
+def partial_target():
+    return functools.partial(torch.cuda.amp.autocast, dtype=torch.float16)  # AMP009
 
 
 # ---------------------------------------------------------------- negatives
@@ -206,6 +208,14 @@ def modern_custom_fwd():
 def other_cuda_apis():
     torch.cuda.synchronize()
     return torch.cuda.is_bf16_supported()
+
+
+def isinstance_check_is_not_a_use(obj):
+    return isinstance(obj, torch.cuda.amp.GradScaler)
+
+
+def recognising_both_apis(func):
+    return func in (torch.amp.autocast, torch.cuda.amp.autocast, torch.cpu.amp.autocast)
 
 
 def apex_amp_is_not_torch(model, optimizer):
