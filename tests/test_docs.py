@@ -62,7 +62,9 @@ def test_page_heading_sections_severity_and_enforcers_match_the_catalog(code):
     assert text.splitlines()[0] == f"# {code} {entry.name}"
     assert list(sections(text)) == SECTIONS
 
-    facts = re.search(r"^\*\*Severity:\*\* (P\d) \(([^)]*)\) · \*\*Enforced by:\*\* (.+)$", text, re.M)
+    facts = re.search(
+        r"^\*\*Severity:\*\* (P\d) \(([^)]*)\) · \*\*Enforced by:\*\* (.+)$", text, re.M
+    )
     assert facts, "missing the '**Severity:** Px (...) · **Enforced by:** ...' line"
     severity, meaning, enforcers = facts.groups()
     assert (severity, meaning) == (entry.severity, SEVERITY_WORDS[entry.severity])
@@ -84,13 +86,14 @@ def test_page_references_link_to_pytorch_or_flake8_docs(code):
 
 def readme_rules_table():
     text = README.read_text(encoding="utf-8")
-    match = re.search(r"^<!-- rules-table[^\n]*-->\n(.*?)\n<!-- /rules-table -->", text, re.S | re.M)
+    block = r"^<!-- rules-table[^\n]*-->\n(.*?)\n<!-- /rules-table -->"
+    match = re.search(block, text, re.S | re.M)
     assert match, "README has no <!-- rules-table --> ... <!-- /rules-table --> block"
     return match.group(1)
 
 
 def test_readme_rules_table_is_the_generated_one():
-    assert readme_rules_table() == markdown_table(), "regenerate it with: python -m flake8_amp.catalog"
+    assert readme_rules_table() == markdown_table(), "regenerate: python -m flake8_amp.catalog"
 
 
 def test_readme_names_every_code():
@@ -123,7 +126,9 @@ def test_command_line_options_named_in_docs_exist():
         named |= set(re.findall(r"--amp-[a-z-]*[a-z]", doc.read_text(encoding="utf-8")))
     assert named, "the docs name no --amp-* option"
     help_text = "".join(
-        subprocess.run([sys.executable, "-m", tool, "--help"], capture_output=True, text=True, check=True).stdout
+        subprocess.run(
+            [sys.executable, "-m", tool, "--help"], capture_output=True, text=True, check=True
+        ).stdout
         for tool in ("flake8", "pytest")
     )
     assert {option for option in named if option not in help_text} == set()
@@ -194,12 +199,15 @@ def guarded_events(source, name):
 
 
 @pytest.mark.parametrize("code", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=RUNTIME_GAPS[c])) if c in RUNTIME_GAPS else c
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=RUNTIME_GAPS[c]))
+    if c in RUNTIME_GAPS else c
     for c in RUNTIME_ONLY
 ])
 def test_runtime_example_triggers_its_code_and_the_fix_is_quiet(code):
     page_sections = sections(page(code))
-    (example,), (fixed,) = python_blocks(page_sections["Example"]), python_blocks(page_sections["Use instead"])
-    assert code in {m.group(1) for m in MARKER.finditer(example)}, f"mark the example line with '# {code}'"
+    (example,) = python_blocks(page_sections["Example"])
+    (fixed,) = python_blocks(page_sections["Use instead"])
+    marked = {m.group(1) for m in MARKER.finditer(example)}
+    assert code in marked, f"mark the example line with '# {code}'"
     assert code in guarded_events(example, f"{code}_example")
     assert guarded_events(fixed, f"{code}_use_instead") == set()

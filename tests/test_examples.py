@@ -48,7 +48,8 @@ def test_buggy_script_marks_the_real_world_bugs():
 
 
 def test_linter_finds_exactly_the_marked_bugs(lint_findings):
-    assert lint_findings.get("buggy_train.py", set()) == marked_findings(EXAMPLES / "buggy_train.py")
+    expected = marked_findings(EXAMPLES / "buggy_train.py")
+    assert lint_findings.get("buggy_train.py", set()) == expected
 
 
 @pytest.mark.parametrize("script", ["train_healthy.py", "train_overflow.py"])

@@ -47,7 +47,9 @@ def hook():
 
 def test_hook_definition_lints_python_files_with_the_amp_codes(hook):
     assert shlex.split(hook["entry"]) == ["flake8", "--select=AMP"]
-    assert (hook["language"], hook["types"], hook["require_serial"]) == ("python", ["python"], False)
+    assert hook["language"] == "python"
+    assert hook["types"] == ["python"]
+    assert hook["require_serial"] is False
 
 
 def test_pre_commit_accepts_the_hook_manifest():
@@ -61,7 +63,8 @@ def test_pre_commit_accepts_the_hook_manifest():
 def run_hook(hook, repo, *files):
     """Run the hook's entry as pre-commit does, with this environment's executables."""
     program, *args = shlex.split(hook["entry"])
-    executable = shutil.which(program, path=os.path.dirname(sys.executable)) or shutil.which(program)
+    here = os.path.dirname(sys.executable)
+    executable = shutil.which(program, path=here) or shutil.which(program)
     assert executable, f"{program} is not installed next to {sys.executable}"
     return subprocess.run([executable, *args, *files], cwd=repo, capture_output=True, text=True)
 
@@ -78,7 +81,8 @@ def repo(tmp_path):
 def test_hook_fails_on_a_finding_and_names_file_line_and_code(hook, repo):
     result = run_hook(hook, repo, "src/buggy.py", "src/clean.py")
     assert result.returncode == 1, result.stderr
-    assert [line.split(" ")[:2] for line in result.stdout.splitlines()] == [["src/buggy.py:8:16:", "AMP003"]]
+    reported = [line.split(" ")[:2] for line in result.stdout.splitlines()]
+    assert reported == [["src/buggy.py:8:16:", "AMP003"]]
 
 
 def test_hook_passes_a_clean_file(hook, repo):
@@ -87,16 +91,18 @@ def test_hook_passes_a_clean_file(hook, repo):
 
 
 def pre_commit_run(hook, repo, cache):
-    """``pre-commit run --all-files`` with the hook as a local one, using this environment's flake8."""
+    """``pre-commit run --all-files`` with the hook as a local hook, using this flake8."""
     local_hook = {key: hook[key] for key in ("id", "name", "entry", "types")}
     config = {"repos": [{"repo": "local", "hooks": [dict(local_hook, language="system")]}]}
     (repo / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
-    environment = dict(os.environ, PRE_COMMIT_HOME=str(cache),
-                       PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    environment = dict(os.environ, PRE_COMMIT_HOME=str(cache), PATH=path)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "."], cwd=repo, check=True)
-    return subprocess.run([sys.executable, "-m", "pre_commit", "run", "--all-files", "--color=never"],
-                          cwd=repo, env=environment, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pre_commit", "run", "--all-files", "--color=never"],
+        cwd=repo, env=environment, capture_output=True, text=True,
+    )
 
 
 def test_pre_commit_run_fails_on_the_finding(hook, repo, tmp_path):
