@@ -272,7 +272,10 @@ class Names:
             return None
         if not values or len(values) != 1 or not isinstance(values[0], nodes.Call):
             return None
-        call = values[0]
+        return self.partial_target(values[0])
+
+    def partial_target(self, call: nodes.Call) -> Optional[Callee]:
+        """For ``functools.partial(f, *args, **kwargs)``: ``f`` with the bound arguments."""
         if self.qualname(call.func) not in _PARTIAL or not call.args:
             return None
         target = self.qualname(call.args[0])

@@ -188,16 +188,11 @@ class Regions:
         if depth > 4:
             return None
         if isinstance(expr, nodes.IfExp):
-            return self._alternatives([expr.body, expr.orelse], owner, depth)
+            return self._alternatives([expr], owner, depth)
         if isinstance(expr, nodes.Call):
-            return self._call_spec(expr, owner)
+            return self._call_spec(expr, owner, depth)
         if isinstance(expr, (nodes.Name, nodes.Attribute)):
-            if isinstance(expr, nodes.Name):
-                values = self.names.assigned_values(expr)
-            elif is_self(expr.expr):
-                values = self.names.self_attribute_values(expr)
-            else:
-                values = None
+            values = self._values(expr)
             if values:
                 region = self._alternatives(values, owner, depth)
                 if region is not None:
@@ -207,13 +202,52 @@ class Regions:
                 return Region(owner, None, None, None) if not _is_decorator(expr) else None
         return None
 
+    def _values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned."""
+        if isinstance(expr, nodes.Name):
+            return self.names.assigned_values(expr)
+        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            return self.names.self_attribute_values(expr)
+        return None
+
+    def _returned_values(self, func: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """The values a function defined in this module returns (a context factory such as
+        ``def get_ctx(): return nullcontext() if cpu else torch.autocast(...)``)."""
+        if not isinstance(func, nodes.Name):
+            return None
+        definitions = [b for b in self.names.bindings(func) if isinstance(b, nodes.FunctionDef)]
+        if len(definitions) != 1:
+            return None
+        returns = [
+            r.value
+            for r in definitions[0].nodes_of_class(nodes.Return, skip_klass=nodes.FunctionDef)
+        ]
+        return returns if returns and all(v is not None for v in returns) else None
+
     def _alternatives(
-        self, values: List[nodes.NodeNG], owner: nodes.NodeNG, depth: int
+        self,
+        values: List[nodes.NodeNG],
+        owner: nodes.NodeNG,
+        depth: int,
+        called: Optional[nodes.Call] = None,
     ) -> Optional[Region]:
-        """A variable bound to autocast on one path and to a null context on another."""
-        regions = []
+        """A variable bound to autocast on one path and to a null context on another.
+
+        ``called``: the variable holds a context-manager factory and this is the call the
+        ``with`` statement makes (``amp_ctx = suppress`` / ``amp_ctx = partial(
+        torch.autocast, ...)``, then ``with amp_ctx():``).
+        """
+        branches: List[nodes.NodeNG] = []
         for value in values:
-            region = self._spec(value, owner, depth + 1) if value is not None else None
+            branches.extend([value.body, value.orelse] if isinstance(value, nodes.IfExp) else [value])
+        regions = []
+        for value in branches:
+            if value is None:
+                region = None
+            elif called is not None:
+                region = self._factory_spec(value, called, owner)
+            else:
+                region = self._spec(value, owner, depth + 1)
             if region is None and not self._is_null_context(value):
                 return None
             regions.append(region)
@@ -231,6 +265,30 @@ class Regions:
             dtypes.pop() if len(dtypes) == 1 else None,
         )
 
+    def _factory_spec(
+        self, value: nodes.NodeNG, call: nodes.Call, owner: nodes.NodeNG
+    ) -> Optional[Region]:
+        """The region ``call`` opens when its callee is ``value``: ``torch.autocast`` or a
+        ``partial`` of it."""
+        if isinstance(value, nodes.Call):
+            bound = self.names.partial_target(value)
+        else:
+            qualname = self.names.qualname(value)
+            bound = Callee(qualname) if qualname else None
+        if bound is None:
+            return None
+        callee = Callee(
+            bound.qualname,
+            False,
+            bound.args + tuple(call.args),
+            bound.keywords + tuple(call.keywords or ()),
+        )
+        if callee.qualname in AUTOCAST_FUNCTIONS:
+            return _torch_autocast_region(callee, owner, self.names)
+        if callee.qualname in self._extra_qualnames:
+            return Region(owner, _literal_enabled(callee.keyword("enabled"), None), None, None)
+        return None
+
     def _is_null_context(self, value: Optional[nodes.NodeNG]) -> bool:
         target = value.func if isinstance(value, nodes.Call) else value
         if not isinstance(target, (nodes.Name, nodes.Attribute)):
@@ -238,13 +296,21 @@ class Regions:
         qualname = self.names.qualname(target) or simple_name(target)
         return qualname in NULL_CONTEXTS
 
-    def _call_spec(self, call: nodes.Call, owner: nodes.NodeNG) -> Optional[Region]:
+    def _call_spec(self, call: nodes.Call, owner: nodes.NodeNG, depth: int) -> Optional[Region]:
         callee = self.names.callee(call)
         if callee is not None and not callee.instance:
             if callee.qualname in AUTOCAST_FUNCTIONS:
                 return _torch_autocast_region(callee, owner, self.names)
             if callee.qualname in self._extra_qualnames:
                 return Region(owner, _literal_enabled(callee.keyword("enabled"), None), None, None)
+        elif callee is None:
+            values = self._values(call.func)
+            region = self._alternatives(values, owner, depth, called=call) if values else None
+            returned = self._returned_values(call.func)
+            if region is None and returned:
+                region = self._alternatives(returned, owner, depth + 1)
+            if region is not None:
+                return region
         name = simple_name(call.func)
         if name in self._extra_names or "autocast" in name.lower():
             return Region(owner, _literal_enabled(keyword_value(call, "enabled"), None), None, None)

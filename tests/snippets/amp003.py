@@ -123,6 +123,31 @@ def deprecated_cuda_region(model, x, y):
         return F.binary_cross_entropy(model(x), y)  # AMP003
 
 
+def timm_suppress_or_partial(model, x, y, use_amp):
+    amp_ctx = contextlib.suppress
+    if use_amp:
+        amp_ctx = functools.partial(torch.autocast, device_type="cuda", dtype=torch.float16)
+    with amp_ctx():
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def conditional_factory(model, x, y, use_amp):
+    maker = torch.autocast if use_amp else contextlib.nullcontext
+    with maker("cuda"):
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
+def get_ctx(device):
+    if device == "cpu":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+
+def context_from_factory_function(model, x, y):
+    with get_ctx("cuda"):
+        return F.binary_cross_entropy(model(x), y)  # AMP003
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -226,3 +251,18 @@ def other_library_bce(keras_losses, x, y):
 def string_mentions_only(model, x, y):
     """Don't call F.binary_cross_entropy under torch.autocast; use the logits form."""
     return F.binary_cross_entropy_with_logits(model(x), y)
+
+
+def get_lock():
+    return contextlib.nullcontext()
+
+
+def factory_function_without_autocast(model, x, y):
+    with get_lock():
+        return F.binary_cross_entropy(model(x), y)
+
+
+def null_factory_variable(model, x, y):
+    maker = contextlib.nullcontext
+    with maker():
+        return F.binary_cross_entropy(model(x), y)
