@@ -103,6 +103,12 @@ class Check:
         message = catalog.rule(self.code).format(**fields)
         self._findings.append(Finding(node.lineno or 1, node.col_offset or 0, self.code, message))
 
+    @staticmethod
+    def source_text(node: nodes.NodeNG, limit: int = 40) -> str:
+        """``node`` as source, shortened for a message."""
+        text = " ".join(node.as_string().split())
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+
     def finish(self) -> None:
         """Called once after the walk; override for module-level conclusions."""
 

@@ -30,6 +30,8 @@ _CANONICAL_PREFIXES: Tuple[Tuple[str, str], ...] = (
 )
 
 _PARTIAL = frozenset({"functools.partial"})
+#: ``nn.Module`` methods that return the module itself.
+_RETURNS_SELF = frozenset({"to", "cuda", "cpu", "train", "eval", "requires_grad_", "share_memory"})
 
 #: How many alias hops are followed before giving up (``a = b``, ``b = c``...).
 _MAX_DEPTH = 8
@@ -177,10 +179,19 @@ class Names:
         """Qualified name of the class whose call built the object ``expr`` refers to.
 
         ``nn.BCELoss()``, ``criterion`` after ``criterion = nn.BCELoss()``, and
-        ``self.criterion`` assigned ``nn.BCELoss()`` in any method of the class.
+        ``self.criterion`` assigned ``nn.BCELoss()`` in any method of the class; also
+        through methods that return the module itself (``nn.BCELoss().cuda()``).
         """
         if _depth > _MAX_DEPTH:
             return None
+        if (
+            isinstance(expr, nodes.Call)
+            and isinstance(expr.func, nodes.Attribute)
+            and expr.func.attrname in _RETURNS_SELF
+            and isinstance(expr.func.expr, (nodes.Call, nodes.Name, nodes.Attribute))
+            and self.qualname(expr.func) is None
+        ):
+            return self.instance_class(expr.func.expr, _depth + 1)
         if isinstance(expr, nodes.Call):
             callee = self.callee(expr, _depth + 1)
             return callee.qualname if callee is not None and not callee.instance else None

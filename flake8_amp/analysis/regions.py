@@ -239,7 +239,9 @@ class Regions:
         """
         branches: List[nodes.NodeNG] = []
         for value in values:
-            branches.extend([value.body, value.orelse] if isinstance(value, nodes.IfExp) else [value])
+            branches.extend(
+                [value.body, value.orelse] if isinstance(value, nodes.IfExp) else [value]
+            )
         regions = []
         for value in branches:
             if value is None:

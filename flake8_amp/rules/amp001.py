@@ -19,7 +19,6 @@ FLAG_WORDS = frozenset(
 )
 #: Methods whose definitions legitimately call the cast (``Module.half`` overrides).
 CAST_DEFINITIONS = frozenset({"half", "bfloat16", "to", "type", "_apply"})
-_MAX_TARGET = 40
 
 
 class ManualCast(Check):
@@ -35,10 +34,7 @@ class ManualCast(Check):
         kind = self._cast_kind(node, func)
         if kind is None or self._legitimate(node, func):
             return
-        target = func.expr.as_string()
-        if len(target) > _MAX_TARGET:
-            target = target[: _MAX_TARGET - 3] + "..."
-        self.report(node, target=target, dtype=DTYPE_NAMES[kind])
+        self.report(node, target=self.source_text(func.expr), dtype=DTYPE_NAMES[kind])
 
     def _cast_kind(self, node: nodes.Call, func: nodes.Attribute) -> Optional[str]:
         method = func.attrname

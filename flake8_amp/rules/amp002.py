@@ -43,7 +43,7 @@ class LossOutsideAutocast(Check):
         for arg in list(node.args) + [kw.value for kw in node.keywords or ()]:
             produced = self._autocast_output_name(arg)
             if produced is not None:
-                self.report(node, loss=node.func.as_string(), arg=produced)
+                self.report(node, loss=self.source_text(node.func), arg=produced)
                 return
 
     def _is_loss(self, node: nodes.Call) -> bool:

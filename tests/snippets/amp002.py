@@ -128,6 +128,13 @@ def accelerator_region(accelerator, model, x, y):
     return F.mse_loss(out, y)  # AMP002
 
 
+def loss_module_moved_to_device(model, x, y, device):
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1).to(device)
+    with torch.autocast("cuda"):
+        logits = model(x)
+    return loss_fn(logits, y)  # AMP002
+
+
 # ---- negatives --------------------------------------------------------------------
 
 

@@ -148,6 +148,12 @@ def context_from_factory_function(model, x, y):
         return F.binary_cross_entropy(model(x), y)  # AMP003
 
 
+def module_moved_to_device(model, x, y):
+    criterion = nn.BCELoss().cuda()
+    with torch.autocast("cuda"):
+        return criterion(model(x), y)  # AMP003
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
