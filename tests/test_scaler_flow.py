@@ -52,6 +52,19 @@ def test_scalers_are_built_or_used_as_scalers():
     assert not flow.scalers["param_scaler"].surely_enabled  # built elsewhere: unknown
 
 
+def test_scalers_of_other_libraries_are_not_grad_scalers():
+    flow = flow_of(
+        """
+        from drjit.opt import GradScaler
+        def step(opt, loss):
+            scaler = GradScaler(debug=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+        """
+    )
+    assert flow.scalers == {}
+
+
 def test_self_attribute_scaler_from_init():
     flow = flow_of(
         """

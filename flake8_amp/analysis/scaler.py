@@ -383,7 +383,8 @@ class ScalerAnalysis:
         return self._flows[scope]
 
     def scalers_in(self, scope: nodes.NodeNG) -> Dict[str, Scaler]:
-        """Scalers used in ``scope``: built by GradScaler, or used as ``.scale(x)``/``.unscale_``.
+        """Scalers used in ``scope``: built by GradScaler, or used as ``.scale(x)``/``.unscale_``
+        and not known to be built by some other class.
 
         Scalers whose every construction is ``enabled=False`` are left out: they do nothing.
         """
@@ -400,8 +401,8 @@ class ScalerAnalysis:
         scalers = {}
         for key, receiver in receivers.items():
             constructions = self.constructions(receiver)
-            if not constructions and key not in used_as_scaler:
-                continue
+            if not constructions and (key not in used_as_scaler or self.names.instance_class(receiver)):
+                continue  # not a scaler, or one of another library (``nne.LossScaler()``)
             if constructions and all(_literal_enabled(call) is False for call in constructions):
                 continue
             scalers[key] = Scaler(key, tuple(constructions))
