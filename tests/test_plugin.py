@@ -196,3 +196,22 @@ def test_analysis_failure_is_one_amp000_line_not_a_traceback():
     assert [message for _, _, message, _ in findings] == [
         "AMP000 flake8-amp could not analyse this file: nesting too deep"
     ]
+
+
+def test_astroid_never_loads_torch():
+    # Attribute assignments (``torch.backends.cudnn.benchmark = True``) and imports are
+    # where astroid's own post-processing would infer into torch; the checker must not.
+    from astroid.manager import AstroidManager
+
+    source = textwrap.dedent(
+        """\
+        import torch
+        from torch import *
+        torch.backends.cudnn.benchmark = True
+        model = torch.nn.Linear(2, 2).half()
+        model.weight.requires_grad = False
+        """
+    ) + BCE_UNDER_AUTOCAST.format(noqa="")
+    findings = list(AmpChecker(ast.parse(source), source.splitlines(True), "train.py").run())
+    assert [message.split()[0] for _, _, message, _ in findings] == ["AMP003"]
+    assert not [name for name in AstroidManager().astroid_cache if name.split(".")[0] == "torch"]

@@ -136,8 +136,10 @@ class GradContext:
         return self._is_eval_scope(scope)
 
     def training_at(self, node: nodes.NodeNG) -> bool:
-        """There is positive evidence that ``node`` is training code: its scope (or the
-        enclosing class) calls ``.backward()``/``.zero_grad()`` or is named for training."""
+        """There is positive evidence that ``node`` is training code: its function (or a
+        method of its class) is named for training, calls ``.backward()`` /
+        ``.zero_grad()``, or calls something named for training (``train_one_epoch()``,
+        ``model.train()``)."""
         scope = node.frame()
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
@@ -157,9 +159,12 @@ class GradContext:
         return False
 
     def _calls_training(self, scope: nodes.NodeNG) -> bool:
+        """``scope`` calls backward/zero_grad, or a function or method named for training
+        (``train_one_epoch(...)``, ``model.train()``)."""
         if scope not in self._training_scopes:
-            self._training_scopes[scope] = bool(
-                TRAINING_CALLS.intersection(self.called_names(scope))
+            called = self.called_names(scope)
+            self._training_scopes[scope] = bool(TRAINING_CALLS.intersection(called)) or any(
+                word in TRAINING_WORDS for name in called for word in name_words(name)
             )
         return self._training_scopes[scope]
 

@@ -119,6 +119,12 @@ def main_loop(model, loader, optimizer):
         scaler.scale(model(x, y)).backward()
 
 
+def main(args):
+    model = build_model(args)
+    model = model.half()  # AMP001
+    train_one_epoch(model, args)
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -250,4 +256,27 @@ def train_with_autocast(model, loader, optimizer):
 
 def documented_only(model):
     """Never call model.half() in training; use torch.autocast instead."""
+    return model
+
+
+def build_model(args):
+    model = make_network(args)
+    return model.half() if args.half_weights else model
+
+
+def make_network(args):
+    net = args.factory()
+    net.eval()
+    return net.half()
+
+
+def train_one_epoch(model, args):
+    for x, y in args.loader:
+        model(x, y).backward()
+
+
+def load_for_serving(path):
+    model = torch.load(path)
+    model.half()
+    model.eval()
     return model
