@@ -267,10 +267,11 @@ class Guard:
             handle.remove()
         self._optimizer_hooks = []
         if self._mode is not None:
-            if self._mode_left_for_optimizer:
-                self._mode_left_for_optimizer = False
-            else:
-                self._mode.__exit__(None, None, None)
+            if not self._mode_left_for_optimizer and not self._mode.suspend():
+                errors.append(RuntimeError(
+                    "amp_runtime: a TorchFunctionMode entered inside the guard is still active; "
+                    "the guard's mode could not be removed"))
+            self._mode_left_for_optimizer = False
             self._mode = None
         for monitor in reversed(self.monitors):
             try:

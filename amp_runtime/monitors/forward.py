@@ -3,8 +3,10 @@
 Per-op tracing (AMP101 non-finite output from finite inputs, AMP102 fp16 near-overflow)
 costs one reduction per checked output: ``vector_norm(out, inf)`` is max |x| and
 propagates NaN, so one number answers NaN, Inf and headroom to 65504. Tracing checks
-fp16, bf16 and fp32 outputs: fp32 matters because autocast runs softmax, norms and
-losses in fp32 on fp16 inputs, and an overflow there is still the first cause.
+fp16/bf16 outputs, and fp32 outputs while autocast is on: there autocast runs softmax,
+norms and losses in fp32 on low-precision inputs, and a NaN born there is still the
+first cause. fp32 ops outside autocast are not mixed precision's business, and
+checking them would double the cost of tracing an fp32 model.
 
 The cheap tier, on every step, checks the loss when backward starts (AMP112) and, on a
 sample of calls (one in ``Thresholds.sample_every``), low-precision adds (AMP110) and
@@ -26,7 +28,6 @@ import torch
 from ..monitors import LOW_PRECISION, Monitor, OpHandler, dtype_name, peak, tensors_in
 from ..tracking import user_source
 
-TRACED_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 
 Judge = Callable[[List[float], Dict[str, Any]], None]
 
@@ -130,11 +131,21 @@ class ForwardMonitor(Monitor):
 
     def _check_output(self, func, args, kwargs, out) -> None:
         for tensor in tensors_in(out):
-            if tensor.dtype in TRACED_DTYPES and tensor.numel() and not tensor.is_sparse:
-                self.readings.submit(
-                    peak(tensor),
-                    lambda values, where, t=tensor: self._judge_output(func, args, kwargs, t, values[0], where),
-                )
+            dtype = tensor.dtype
+            if dtype not in LOW_PRECISION and not (
+                dtype == torch.float32 and torch.is_autocast_enabled(tensor.device.type)
+            ):
+                continue
+            if not tensor.numel() or tensor.is_sparse:
+                continue
+            out_max = peak(tensor)
+            if out_max.device.type != "cpu":
+                self.readings.submit(out_max, lambda values, where, t=tensor: self._judge_output(
+                    func, args, kwargs, t, values[0], where))
+                continue
+            value = out_max.item()
+            if not value <= self.limits.near_overflow:  # also true for NaN
+                self._judge_output(func, args, kwargs, tensor, value, {})
 
     def _judge_output(self, func, args, kwargs, out, out_max: float, where) -> None:
         details = {"dtype": dtype_name(out.dtype), "output_max": out_max}
