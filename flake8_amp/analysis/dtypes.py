@@ -69,7 +69,7 @@ PRESERVING: FrozenSet[str] = frozenset(
     select index_select gather masked_fill masked_fill_ where flip roll chunk split
     relu gelu silu tanh sigmoid clamp clamp_ clip sqrt square sin cos dropout pad
     cuda cpu pin_memory requires_grad_ add add_ sub sub_ mul mul_ div div_ maximum minimum
-    max min amax amin cat stack concat""".split()
+    max min amax amin cat stack concat mean var std nanmean median logsumexp""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
