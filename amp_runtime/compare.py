@@ -128,6 +128,8 @@ class CompareResult:
     #: Ranked: worst own error first.
     modules: List[ModuleError]
     keep_fp32: List[str] = field(default_factory=list)
+    #: The model's output with ``keep_fp32`` applied, against float32 (None: nothing to keep).
+    kept_output: Optional[ErrorStats] = None
 
     def module(self, name: str) -> ModuleError:
         for entry in self.modules:
@@ -135,9 +137,10 @@ class CompareResult:
                 return entry
         raise KeyError(name)
 
-    def output_error(self) -> float:
-        """Relative L2 error of the model's own output."""
-        return self.module(_ROOT).output.rel_l2
+    def output(self) -> Optional[ErrorStats]:
+        """The model's own output against float32 (None when it has no float output)."""
+        root = [m for m in self.modules if m.name == _ROOT]
+        return root[0].output if root else None
 
     def snippet(self) -> str:
         """Python code that keeps the recommended modules in float32 under autocast."""
@@ -172,16 +175,19 @@ class CompareResult:
 
     def summary(self, limit: Optional[int] = 20) -> str:
         """The ranked table (``limit`` rows), the modules to keep in float32 and the snippet."""
+        output = self.output()
         parts = [
             f"{self.dtype} autocast on {self.device_type} against float32, "
-            f"{len(self.modules)} module(s), tolerance rel-L2 {self.tolerance:.3g}; "
-            f"model output rel-L2 {self.output_error():.3g}",
+            f"{len(self.modules)} module(s), tolerance rel-L2 {self.tolerance:.3g}"
+            + ("" if output is None else f"; model output rel-L2 {_fmt_err(output)}"),
             self.table(limit),
         ]
         if self.keep_fp32:
             reasons = {m.name: m.reason for m in self.modules}
+            kept = "" if self.kept_output is None else (
+                f"\nWith these in float32 the model output rel-L2 is {_fmt_err(self.kept_output)}.")
             parts.append("Keep in float32:\n" + "\n".join(
-                f"  {n or _ROOT}: {reasons[n or _ROOT]}" for n in self.keep_fp32))
+                f"  {n or _ROOT}: {reasons[n or _ROOT]}" for n in self.keep_fp32) + kept)
             parts.append(self.snippet())
         else:
             parts.append(f"Every module stays within tolerance in {self.dtype}.")
@@ -193,6 +199,7 @@ class CompareResult:
             "device_type": self.device_type,
             "tolerance": self.tolerance,
             "keep_fp32": list(self.keep_fp32),
+            "kept_output": None if self.kept_output is None else asdict(self.kept_output),
             "modules": [asdict(m) for m in self.modules],
         }
 
@@ -246,7 +253,7 @@ def compare(
             own_ref = _flat_output(_run(module, m_args, m_kwargs, device_type, None))
             # exact values, in the dtypes they arrive in under autocast
             low_args, low_kwargs = _cast_like(ref_inputs[name], low_inputs[name])
-            with _children_in_fp32(module, device_type):
+            with _in_fp32(list(module.children()), device_type):
                 own_low = _flat_output(_run(module, low_args, low_kwargs, device_type, dtype))
             both = own_ref is not None and own_low is not None
             own = ErrorStats.between(own_ref, own_low) if both else None
@@ -257,15 +264,22 @@ def compare(
                 name, type(module).__name__, ErrorStats.between(ref_out, low_out), own, inputs,
                 calls,
             ))
-    results.sort(key=lambda m: m.badness(), reverse=True)
-    for entry in results:
-        entry.reason = _reason(entry, tolerance)
+        for entry in results:
+            entry.reason = _reason(entry, tolerance)
+        results.sort(key=lambda m: m.badness(), reverse=True)
+        keep = _keep_fp32(results)
+        kept_error = None
+        if keep and _ROOT in ref_outputs:  # check the advice: rerun with those in float32
+            with _in_fp32([model.get_submodule(name) for name in keep], device_type):
+                kept = _flat_output(_run(model, args, kwargs, device_type, dtype))
+            kept_error = ErrorStats.between(ref_outputs[_ROOT][0], kept)
     return CompareResult(
         dtype=str(dtype).replace("torch.", ""),
         device_type=device_type,
         tolerance=tolerance,
         modules=results,
-        keep_fp32=_keep_fp32(results),
+        keep_fp32=keep,
+        kept_output=kept_error,
     )
 
 
@@ -318,21 +332,21 @@ def _fp32_forward(forward, device_type):
     return run
 
 
-class _children_in_fp32:
-    """Temporarily run a module's direct children (and so all its submodules) in float32."""
+class _in_fp32:
+    """Temporarily run some modules (and so all their submodules) in float32."""
 
-    def __init__(self, module: nn.Module, device_type: str):
-        self.children = list(module.children())
+    def __init__(self, modules: Sequence[nn.Module], device_type: str):
+        self.modules = modules
         self.device_type = device_type
 
     def __enter__(self):
         # A forward already set on the instance (a user's own wrapper) is put back on exit.
-        self.saved = [vars(child).get("forward") for child in self.children]
-        for child in self.children:
-            child.forward = _fp32_forward(child.forward, self.device_type)
+        self.saved = [vars(module).get("forward") for module in self.modules]
+        for module in self.modules:
+            module.forward = _fp32_forward(module.forward, self.device_type)
 
     def __exit__(self, *exc):
-        for child, saved in zip(self.children, self.saved):
+        for child, saved in zip(self.modules, self.saved):
             if saved is None:
                 del child.forward  # the class's forward shows again
             else:

@@ -319,9 +319,11 @@ def _draw_underflow(run, axes, figure) -> str:
     rows = [(name, row) for name, row in zip(names, matrix) if any(v is not None for v in row)]
     if not rows:
         return "no underflow fractions were recorded (they need fp16 gradients under a GradScaler)"
-    rows.sort(key=lambda item: max(v for v in item[1] if v is not None), reverse=True)
+    peaks = {name: max(v for v in row if v is not None) for name, row in rows}
+    rows.sort(key=lambda item: peaks[item[0]], reverse=True)
     for name, row in rows[:MAX_UNDERFLOW_LINES]:
         axes.plot(steps, [math.nan if v is None else v for v in row], lw=1.1, label=name)
+    axes.set_ylim(0, max(0.02, max(peaks.values()) * 1.1))  # a fraction: never below zero
     axes.set_ylabel("fraction of nonzero grads")
     axes.set_xlabel("step")
     axes.legend(loc="upper right", fontsize=7, ncol=2)

@@ -44,6 +44,10 @@ def test_fp16_overflowing_module_is_named_and_the_snippet_fixes_it(net_and_input
     result = compare(model, x, dtype=torch.float16)
     assert result.keep_fp32 == ["scaled"]
     assert result.module("scaled").own.nonfinite
+    # the advice is checked: with "scaled" in float32 the output is finite and close
+    assert result.output().nonfinite
+    assert not result.kept_output.nonfinite and result.kept_output.rel_l2 < result.tolerance
+    assert "With these in float32 the model output rel-L2 is" in str(result)
     assert result.modules[0].name == "scaled"  # ranked first
     assert "NaN/Inf" in str(result) and "keep_fp32" in result.snippet()
 
@@ -71,7 +75,8 @@ def test_healthy_model_in_bf16_needs_nothing_and_metrics_are_sane():
     assert first.output.max_abs > 0 and first.output.numel == 16 * 32
     # ReLU adds no error of its own: what it shows is its input stored in bf16
     assert 0 < result.module("1").own.rel_l2 <= first.output.rel_l2
-    assert result.output_error() == result.module("(model)").output.rel_l2
+    assert result.output() == result.module("(model)").output
+    assert result.kept_output is None  # nothing to keep, nothing re-checked
 
 
 def test_model_state_and_rng_are_restored():
