@@ -19,6 +19,10 @@ from astroid.manager import AstroidManager
 from astroid.rebuilder import TreeRebuilder
 
 from flake8_amp import catalog
+from flake8_amp.analysis.context import GradContext
+from flake8_amp.analysis.dtypes import Dtypes
+from flake8_amp.analysis.names import Names
+from flake8_amp.analysis.regions import Regions
 
 
 @dataclass(frozen=True)
@@ -50,31 +54,23 @@ class Context:
         self.options = options
 
     @functools.cached_property
-    def names(self):
-        """:class:`flake8_amp.analysis.names.Names` — qualified names and call targets."""
-        from flake8_amp.analysis.names import Names
-
+    def names(self) -> Names:
+        """Qualified names, call targets, assignments (:mod:`flake8_amp.analysis.names`)."""
         return Names(self)
 
     @functools.cached_property
-    def regions(self):
-        """:class:`flake8_amp.analysis.regions.Regions` — autocast regions."""
-        from flake8_amp.analysis.regions import Regions
-
+    def regions(self) -> Regions:
+        """Autocast regions (:mod:`flake8_amp.analysis.regions`)."""
         return Regions(self)
 
     @functools.cached_property
-    def grad(self):
-        """:class:`flake8_amp.analysis.context.GradContext` — no_grad / inference code."""
-        from flake8_amp.analysis.context import GradContext
-
+    def grad(self) -> GradContext:
+        """no_grad blocks, inference and training code (:mod:`flake8_amp.analysis.context`)."""
         return GradContext(self)
 
     @functools.cached_property
-    def dtypes(self):
-        """:class:`flake8_amp.analysis.dtypes.Dtypes` — dtype of expressions."""
-        from flake8_amp.analysis.dtypes import Dtypes
-
+    def dtypes(self) -> Dtypes:
+        """Dtype of expressions (:mod:`flake8_amp.analysis.dtypes`)."""
         return Dtypes(self)
 
 
