@@ -1,4 +1,5 @@
 """The GradScaler flow analysis (flake8_amp.analysis.scaler) over real source parsed by astroid."""
+
 from __future__ import annotations
 
 import ast
@@ -37,67 +38,61 @@ def call(flow: ScalerFlow, text: str, occurrence: int = 0) -> nodes.Call:
 
 
 def test_scalers_are_built_or_used_as_scalers():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         import torch
         def step(model, batch, opt, param_scaler, transform):
             local = torch.amp.GradScaler("cuda")
             param_scaler.scale(model(batch)).backward()
             local.update()
             transform.step()
-        """
-    )
+        """)
     assert set(flow.scalers) == {"local", "param_scaler"}
     assert flow.scalers["local"].surely_enabled
     assert not flow.scalers["param_scaler"].surely_enabled  # built elsewhere: unknown
 
 
 def test_scalers_of_other_libraries_are_not_grad_scalers():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         from drjit.opt import GradScaler
         def step(opt, loss):
             scaler = GradScaler(debug=True)
             scaler.scale(loss).backward()
             scaler.step(opt)
-        """
-    )
+        """)
     assert flow.scalers == {}
 
 
 def test_self_attribute_scaler_from_init():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         from torch.cuda.amp import GradScaler
         class Trainer:
             def __init__(self):
                 self.scaler = GradScaler(enabled=True)
             def step(self, loss, opt):
                 self.scaler.step(opt)
-        """
-    )
+        """)
     assert list(flow.scalers) == ["self.scaler"]
     assert flow.scalers["self.scaler"].surely_enabled
 
 
-@pytest.mark.parametrize("enabled, counted, surely", [("False", False, False), ("use_amp", True, False), ("True", True, True)])
+@pytest.mark.parametrize(
+    "enabled, counted, surely",
+    [("False", False, False), ("use_amp", True, False), ("True", True, True)],
+)
 def test_enabled_argument(enabled, counted, surely):
-    flow = flow_of(
-        f"""
+    flow = flow_of(f"""
         import torch
         def step(model, batch, use_amp):
             scaler = torch.amp.GradScaler("cuda", enabled={enabled})
             scaler.scale(model(batch)).backward()
-        """
-    )
+        """)
     assert ("scaler" in flow.scalers) is counted
     if counted:
         assert flow.scalers["scaler"].surely_enabled is surely
 
 
 def test_phases_follow_backward_unscale_and_step():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt, scaler, clip):
             loss = model(batch)
             scaler.scale(loss).backward()
@@ -107,8 +102,7 @@ def test_phases_follow_backward_unscale_and_step():
             scaler.step(opt)
             scaler.update()
             clip(model)
-        """
-    )
+        """)
     assert flow.phases_before(call(flow, "clip(model)", 0)) == {SCALED}
     assert flow.phases_before(call(flow, "clip(model)", 1)) == {UNSCALED}
     assert flow.phases_before(call(flow, "clip(model)", 2)) == {None}
@@ -116,8 +110,7 @@ def test_phases_follow_backward_unscale_and_step():
 
 
 def test_scaled_loss_alias_and_rebinding():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt, scaler):
             loss = scaler.scale(model(batch))
             loss.backward()
@@ -125,15 +118,13 @@ def test_scaled_loss_alias_and_rebinding():
             loss = model.regularizer()
             loss.backward()
             opt.zero_grad()
-        """
-    )
+        """)
     assert len(flow.scaled_backwards) == 1
     assert flow.phases_before(call(flow, "opt.step()")) == {SCALED}
 
 
 def test_correlated_amp_conditions_take_the_same_arm():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt, scaler, args):
             loss = model(batch)
             if args.amp:
@@ -145,15 +136,13 @@ def test_correlated_amp_conditions_take_the_same_arm():
             else:
                 scaler.step(opt)
                 scaler.update()
-        """
-    )
+        """)
     assert flow.phases_before(call(flow, "opt.step()")) == {None}
     assert flow.phases_before(call(flow, "scaler.step(opt)")) == {SCALED}
 
 
 def test_uncorrelated_merge_keeps_both_paths():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt, scaler, use_amp, clip):
             loss = model(batch)
             if use_amp:
@@ -161,14 +150,12 @@ def test_uncorrelated_merge_keeps_both_paths():
             else:
                 loss.backward()
             clip(model)
-        """
-    )
+        """)
     assert flow.phases_before(call(flow, "clip(model)")) == {SCALED, None}
 
 
 def test_early_return_ends_the_path():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt, scaler):
             loss = model(batch)
             if scaler is not None:
@@ -178,14 +165,12 @@ def test_early_return_ends_the_path():
                 return loss
             loss.backward()
             opt.step()
-        """
-    )
+        """)
     assert flow.phases_before(call(flow, "opt.step()")) == {None}
 
 
 def test_loop_exits_carry_states_after_the_loop():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, loader, opt, scaler, done):
             for batch in loader:
                 scaler.scale(model(batch)).backward()
@@ -193,44 +178,40 @@ def test_loop_exits_carry_states_after_the_loop():
                     break
                 scaler.unscale_(opt)
             done(opt)
-        """
-    )
+        """)
     assert flow.phases_before(call(flow, "done(opt)")) == {None, SCALED, UNSCALED}
 
 
 def test_helper_receiving_the_scaler():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt, scaler, backward_and_step, log):
             loss = model(batch)
             scaler.scale(loss).backward()
             scaler.step(opt)
             backward_and_step(loss, opt, scaler)
             log(opt)
-        """
-    )
+        """)
     assert flow.phases_before(call(flow, "log(opt)")) == {HELPED}
     assert flow.steps_without_update() == []
 
 
 def test_steps_without_update():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt_a, opt_b, scaler, last):
             scaler.scale(model(batch)).backward()
             scaler.step(opt_a)
             if last:
                 scaler.update()
             scaler.step(opt_b)
-        """
-    )
+        """)
     assert [c.as_string() for c in flow.steps_without_update()] == ["scaler.step(opt_b)"]
-    assert flow.stepped_before(call(flow, "scaler.step(opt_b)"), "opt_a") is False  # update cleared it on one path
+    assert (
+        flow.stepped_before(call(flow, "scaler.step(opt_b)"), "opt_a") is False
+    )  # update cleared it on one path
 
 
 def test_no_scaler_arm():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt, scaler, fp16):
             loss = model(batch)
             if fp16:
@@ -239,27 +220,27 @@ def test_no_scaler_arm():
             else:
                 loss.backward()
                 opt.step()
-        """
-    )
+        """)
     assert flow.in_no_scaler_arm(call(flow, "opt.step()"))
     assert not flow.in_no_scaler_arm(call(flow, "scaler.step(opt)"))
 
 
 def test_many_independent_conditions_stay_bounded():
     branches = "\n".join(f"    if flag_{i}:\n        scaler.unscale_(opt)" for i in range(40))
-    source = f"def step(model, batch, opt, scaler, **flags):\n    scaler.scale(model(batch)).backward()\n{branches}\n    opt.step()\n"
+    source = (
+        "def step(model, batch, opt, scaler, **flags):\n"
+        f"    scaler.scale(model(batch)).backward()\n{branches}\n    opt.step()\n"
+    )
     flow = flow_of(source)
     assert flow.phases_before(call(flow, "opt.step()")) == {SCALED, UNSCALED}
 
 
 def test_function_without_scalers_is_not_walked():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         def step(model, batch, opt):
             model(batch).backward()
             opt.step()
-        """
-    )
+        """)
     assert flow.scalers == {} and flow.states_before == {}
 
 
@@ -285,11 +266,14 @@ def test_condition_key(test, expected):
 
 
 def test_calls_in_order_is_evaluation_order_and_skips_nested_scopes():
-    module = module_of(
-        """
+    module = module_of("""
         scaler.scale(loss(x)).backward()
         f(lambda: g())
-        """
-    )
+        """)
     order = [c.as_string() for statement in module.body for c in calls_in_order(statement)]
-    assert order == ["loss(x)", "scaler.scale(loss(x))", "scaler.scale(loss(x)).backward()", "f(lambda: g())"]
+    assert order == [
+        "loss(x)",
+        "scaler.scale(loss(x))",
+        "scaler.scale(loss(x)).backward()",
+        "f(lambda: g())",
+    ]

@@ -15,6 +15,7 @@ correlated: a path that took ``if use_amp:`` takes the same arm of a later
 None``, ``scaler.is_enabled()``) count as one condition, so the ``else`` of any of them
 is the no-scaler path.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,7 +45,9 @@ HELPED = "helped"  # a helper received the scaler: it may have unscaled/stepped/
 
 #: Above this many distinct path states, conditions are forgotten (paths still merge).
 _MAX_STATES = 64
-_AMP_FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"})
+_AMP_FLAG_WORDS = frozenset(
+    {"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"}
+)
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 _AMP_CONDITION = "<amp enabled>"
 _SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
@@ -150,6 +153,17 @@ def _literal_enabled(call: nodes.Call) -> Optional[bool]:
     return None
 
 
+def other_arm(branch: nodes.NodeNG, child: nodes.NodeNG) -> List[nodes.NodeNG]:
+    """The arm of an ``if`` statement or expression that does not hold ``child``."""
+    body = branch.body if isinstance(branch.body, list) else [branch.body]
+    orelse = branch.orelse if isinstance(branch.orelse, list) else [branch.orelse]
+    if any(child is node for node in body):
+        return orelse
+    if any(child is node for node in orelse):
+        return body
+    return []
+
+
 def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:
     """Calls in ``node`` in evaluation order (inner before outer), skipping nested scopes."""
     stack: List[Tuple[nodes.NodeNG, bool]] = [(node, False)]
@@ -205,8 +219,7 @@ class ScalerFlow:
         child, parent = node, node.parent
         while parent is not None and parent is not self.scope:
             if isinstance(parent, nodes.If):
-                other = parent.orelse if child in parent.body else parent.body if child in parent.orelse else []
-                if any(self._uses_scaler(statement) for statement in other):
+                if any(self._uses_scaler(statement) for statement in other_arm(parent, child)):
                     return True
             child, parent = parent, parent.parent
         return False
@@ -323,7 +336,11 @@ class ScalerFlow:
             if any(self._is_scaled(receiver, state) for state in states):
                 self.scaled_backwards.append(call)
                 return frozenset(
-                    replace(state, phase=SCALED, stepped=frozenset()) if self._is_scaled(receiver, state) else state
+                    (
+                        replace(state, phase=SCALED, stepped=frozenset())
+                        if self._is_scaled(receiver, state)
+                        else state
+                    )
                     for state in states
                 )
             return states
@@ -334,7 +351,11 @@ class ScalerFlow:
                 self.scaler_steps.append(call)
                 stepped = expression_key(call.args[0]) if call.args else None
                 return frozenset(
-                    replace(state, stepped=state.stepped | {stepped} - {None}, pending_steps=state.pending_steps | {call})
+                    replace(
+                        state,
+                        stepped=state.stepped | {stepped} - {None},
+                        pending_steps=state.pending_steps | {call},
+                    )
                     for state in states
                 )
             if method == "update":
@@ -348,7 +369,10 @@ class ScalerFlow:
         """``scaler.update()`` ran (or a helper that may run it received the scaler)."""
         for state in states:
             self._updated_steps.update(state.pending_steps)
-        return frozenset(replace(state, phase=phase, stepped=frozenset(), pending_steps=frozenset()) for state in states)
+        return frozenset(
+            replace(state, phase=phase, stepped=frozenset(), pending_steps=frozenset())
+            for state in states
+        )
 
     def _is_scaled(self, expr: Optional[nodes.NodeNG], state: PathState) -> bool:
         """``expr`` is a scaled loss: ``scaler.scale(x)``, a name bound to one, or ``that / n``."""
@@ -401,7 +425,9 @@ class ScalerAnalysis:
         scalers = {}
         for key, receiver in receivers.items():
             constructions = self.constructions(receiver)
-            if not constructions and (key not in used_as_scaler or self.names.instance_class(receiver)):
+            if not constructions and (
+                key not in used_as_scaler or self.names.instance_class(receiver)
+            ):
                 continue  # not a scaler, or one of another library (``nne.LossScaler()``)
             if constructions and all(_literal_enabled(call) is False for call in constructions):
                 continue
@@ -425,12 +451,20 @@ class ScalerAnalysis:
     def class_updates(self, attribute: nodes.NodeNG) -> bool:
         """``self.<scaler>.update()`` is called in some method of the enclosing class."""
         classdef = enclosing_class(attribute)
-        if classdef is None or not isinstance(attribute, nodes.Attribute) or not is_self(attribute.expr):
+        if (
+            classdef is None
+            or not isinstance(attribute, nodes.Attribute)
+            or not is_self(attribute.expr)
+        ):
             return False
         for method in classdef.mymethods():
             for call in calls_in_order(method):
                 name, receiver = method_call(call)
-                if name == "update" and isinstance(receiver, nodes.Attribute) and is_self(receiver.expr):
+                if (
+                    name == "update"
+                    and isinstance(receiver, nodes.Attribute)
+                    and is_self(receiver.expr)
+                ):
                     if receiver.attrname == attribute.attrname:
                         return True
         return False

@@ -1,4 +1,5 @@
 """AMP005 clip-before-unscale: clipping gradients that a GradScaler scaled and did not unscale."""
+
 from __future__ import annotations
 
 from astroid import nodes

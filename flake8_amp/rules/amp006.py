@@ -1,4 +1,11 @@
-"""AMP006 step-bypasses-scaler: ``optimizer.step()`` on scaled grads; ``scaler.step`` without update."""
+"""AMP006 step-bypasses-scaler: optimizer.step() on scaled grads; scaler.step without update.
+
+Optimizers are recognised by name (``optimizer``, ``opt_d``, ``self.optim``; not schedulers or
+EMA objects); a step in the no-scaler arm of an ``if``, after a helper that received the
+scaler, or of an optimizer ``scaler.step`` already stepped is fine. ``scaler.step`` is judged
+within its function, or its class for ``self.<scaler>`` (update in another method is fine).
+"""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -6,13 +13,23 @@ from typing import Optional
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.scaler import HELPED, SCALED, UNSCALED, ScalerFlow, expression_key, method_call, scaler_analysis
+from flake8_amp.analysis.scaler import (
+    HELPED,
+    SCALED,
+    UNSCALED,
+    ScalerFlow,
+    expression_key,
+    method_call,
+    scaler_analysis,
+)
 from flake8_amp.engine import Check
 
 #: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).
 OPTIMIZER_WORDS = frozenset({"opt", "optim", "optimizer", "optimiser", "optimizers"})
 #: Words that say it is something else with a ``step()`` (schedulers, EMA, SWA, samplers).
-NOT_OPTIMIZER_WORDS = frozenset({"sched", "scheduler", "lr", "warmup", "ema", "swa", "sampler", "env"})
+NOT_OPTIMIZER_WORDS = frozenset(
+    {"sched", "scheduler", "lr", "warmup", "ema", "swa", "sampler", "env"}
+)
 
 
 class StepBypassesScaler(Check):
@@ -40,7 +57,8 @@ class StepBypassesScaler(Check):
             return
         self.report(
             node,
-            detail=f"{receiver.as_string()}.step() applies gradients scaled by GradScaler (inf/NaN steps are not skipped)",
+            detail=f"{receiver.as_string()}.step() applies gradients scaled by GradScaler "
+            "(inf/NaN steps are not skipped)",
         )
 
     def _check_update(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
@@ -49,7 +67,11 @@ class StepBypassesScaler(Check):
         if scaler_analysis(self.context).class_updates(receiver):
             return
         scaler = receiver.as_string()
-        self.report(node, detail=f"{scaler}.step() with no {scaler}.update() after it: the loss scale never adapts")
+        self.report(
+            node,
+            detail=f"{scaler}.step() with no {scaler}.update() after it: "
+            "the loss scale never adapts",
+        )
 
 
 def _is_optimizer(receiver: nodes.NodeNG) -> bool:

@@ -7,6 +7,7 @@ module that defines them), where the tensor is whatever dtype the caller runs in
 Literals are followed through names (``NEG_INF = -1e9``, ``self.mask_value``); a
 dtype-conditional value (``-1e9 if x.dtype == torch.float32 else -1e4``) is fine.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,14 +45,26 @@ def numeric_constant(expr: Optional[nodes.NodeNG], names, _depth: int = 0) -> Op
         return None
     if isinstance(expr, nodes.Const):
         value = expr.value
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        return (
+            float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else None
+        )
     if isinstance(expr, nodes.UnaryOp) and expr.op in ("-", "+"):
         operand = numeric_constant(expr.operand, names, _depth + 1)
         return None if operand is None else (-operand if expr.op == "-" else operand)
-    if isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Name) and expr.func.name == "float":
+    if (
+        isinstance(expr, nodes.Call)
+        and isinstance(expr.func, nodes.Name)
+        and expr.func.name == "float"
+    ):
         return _float_call(expr, names, _depth)
     if isinstance(expr, nodes.BinOp):
-        return _fold(expr.op, numeric_constant(expr.left, names, _depth + 1), numeric_constant(expr.right, names, _depth + 1))
+        return _fold(
+            expr.op,
+            numeric_constant(expr.left, names, _depth + 1),
+            numeric_constant(expr.right, names, _depth + 1),
+        )
     if isinstance(expr, nodes.Name):
         values = names.assigned_values(expr)
     elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
@@ -124,7 +137,11 @@ class Fp16OverflowLiteral(Check):
                 self.report(node, value=f"{value:g}", op="an indexed assignment")
                 return
 
-    def _fill(self, node: nodes.Call) -> Optional[Tuple[str, Optional[nodes.NodeNG], Optional[nodes.NodeNG], Optional[nodes.NodeNG]]]:
+    def _fill(
+        self, node: nodes.Call
+    ) -> Optional[
+        Tuple[str, Optional[nodes.NodeNG], Optional[nodes.NodeNG], Optional[nodes.NodeNG]]
+    ]:
         """``(op, tensor filled, fill value, dtype=)`` of a fill call; None for other calls."""
         callee = self.context.names.callee(node)
         qualname = callee.qualname if callee is not None and not callee.instance else None
@@ -138,9 +155,19 @@ class Fp16OverflowLiteral(Check):
         if qualname == "torch.full":
             return "torch.full", None, _argument(node, 1, "fill_value"), dtype
         if qualname == "torch.full_like":
-            return "torch.full_like", _argument(node, 0, "input"), _argument(node, 1, "fill_value"), dtype
+            return (
+                "torch.full_like",
+                _argument(node, 0, "input"),
+                _argument(node, 1, "fill_value"),
+                dtype,
+            )
         if qualname == "torch.masked_fill":
-            return "torch.masked_fill", _argument(node, 0, "input"), _argument(node, 2, "value"), dtype
+            return (
+                "torch.masked_fill",
+                _argument(node, 0, "input"),
+                _argument(node, 2, "value"),
+                dtype,
+            )
         if qualname == "torch.where" and len(node.args) == 3:
             branches = node.args[1:]
             for value, other in (branches, reversed(branches)):
@@ -148,11 +175,17 @@ class Fp16OverflowLiteral(Check):
                     return "torch.where", other, value, None
         return None
 
-    def _can_be_fp16(self, node: nodes.NodeNG, target: Optional[nodes.NodeNG], dtype_node: Optional[nodes.NodeNG]) -> bool:
+    def _can_be_fp16(
+        self, node: nodes.NodeNG, target: Optional[nodes.NodeNG], dtype_node: Optional[nodes.NodeNG]
+    ) -> bool:
         dtypes = self.context.dtypes
         if dtype_node is not None:
             kind = dtypes.constant(dtype_node)
-            if kind is None and isinstance(dtype_node, nodes.Attribute) and dtype_node.attrname == "dtype":
+            if (
+                kind is None
+                and isinstance(dtype_node, nodes.Attribute)
+                and dtype_node.attrname == "dtype"
+            ):
                 kind = dtypes.of(dtype_node.expr)
         elif target is None:
             kind = FP32  # ``torch.full`` without ``dtype=`` uses the default dtype
@@ -189,7 +222,9 @@ def _in_model_code(node: nodes.NodeNG) -> bool:
         parent = parent.parent
     module = node.root()
     return in_function and any(
-        _is_model_class(statement) for statement in module.body if isinstance(statement, nodes.ClassDef)
+        _is_model_class(statement)
+        for statement in module.body
+        if isinstance(statement, nodes.ClassDef)
     )
 
 
@@ -197,4 +232,8 @@ def _is_model_class(classdef: nodes.ClassDef) -> bool:
     """Defines ``forward`` or derives from a ``torch.nn`` class / a ``*Module`` base."""
     if "forward" in classdef.locals:
         return True
-    return any(last_part(base.as_string()).endswith("Module") or base.as_string().startswith(("nn.", "torch.nn.")) for base in classdef.bases)
+    return any(
+        last_part(base.as_string()).endswith("Module")
+        or base.as_string().startswith(("nn.", "torch.nn."))
+        for base in classdef.bases
+    )

@@ -1,4 +1,5 @@
-"""AMP008 backward-under-autocast: ``.backward()`` / ``torch.autograd.backward`` in an autocast region."""
+"""AMP008 backward-under-autocast: ``.backward()`` or ``torch.autograd.backward`` under autocast."""
+
 from __future__ import annotations
 
 from astroid import nodes

@@ -10,6 +10,7 @@ picks the API by torch version stays silent: a ``try`` that also tries ``torch.a
 expression that tests the version (or ``hasattr``) or offers ``torch.amp`` in its other
 arm, and code after ``if <version test>: return <modern>``.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,6 +18,7 @@ from typing import Iterable, Optional
 
 from astroid import nodes
 
+from flake8_amp.analysis.scaler import other_arm
 from flake8_amp.engine import Check
 
 REPLACEMENTS = {
@@ -29,8 +31,12 @@ REPLACEMENTS = {
 }
 PARTIAL = frozenset({"functools.partial"})
 #: Exceptions a version fallback catches.
-FALLBACK_EXCEPTIONS = frozenset({"AttributeError", "ImportError", "ModuleNotFoundError", "TypeError", "Exception"})
-VERSION_TEST = re.compile(r"version|hasattr|getattr|torch_(ge|gt|le|lt)|_(ge|gt|le|lt)_\d|is_torch_", re.IGNORECASE)
+FALLBACK_EXCEPTIONS = frozenset(
+    {"AttributeError", "ImportError", "ModuleNotFoundError", "TypeError", "Exception"}
+)
+VERSION_TEST = re.compile(
+    r"version|hasattr|getattr|torch_(ge|gt|le|lt)|_(ge|gt|le|lt)_\d|is_torch_", re.IGNORECASE
+)
 
 
 class DeprecatedAmpApi(Check):
@@ -40,17 +46,18 @@ class DeprecatedAmpApi(Check):
     triggers = ("cuda.amp", "cpu.amp", "from torch.cuda import amp", "from torch.cpu import amp")
 
     def visit_attribute(self, node: nodes.Attribute) -> None:
-        self._check(node)
+        if self._is_use(node):
+            self._check(node)
 
     def visit_name(self, node: nodes.Name) -> None:
+        if not self._is_use(node):
+            return
         # A name counts only when imported: a variable bound to the API is reported where bound.
         bindings = self.context.names.bindings(node)
         if bindings and all(isinstance(b, (nodes.Import, nodes.ImportFrom)) for b in bindings):
             self._check(node)
 
     def _check(self, node: nodes.NodeNG) -> None:
-        if not self._is_use(node):
-            return
         old = self.context.names.qualname(node)
         if old in REPLACEMENTS and not self._version_gated(node):
             self.report(node, old=old, new=REPLACEMENTS[old])
@@ -60,7 +67,11 @@ class DeprecatedAmpApi(Check):
         if isinstance(parent, nodes.Call):
             if parent.func is node:
                 return True
-            return bool(parent.args) and parent.args[0] is node and self.context.names.qualname(parent.func) in PARTIAL
+            return (
+                bool(parent.args)
+                and parent.args[0] is node
+                and self.context.names.qualname(parent.func) in PARTIAL
+            )
         if isinstance(parent, (nodes.Assign, nodes.AnnAssign)):
             return parent.value is node
         return isinstance(parent, nodes.Decorators)
@@ -80,12 +91,7 @@ class DeprecatedAmpApi(Check):
         return False
 
     def _other_arm_is_modern(self, branch: nodes.NodeNG, child: nodes.NodeNG) -> bool:
-        arms = (branch.body, branch.orelse)
-        if isinstance(branch, nodes.IfExp):
-            other = arms[1] if child is arms[0] else arms[0]
-            return self._mentions_modern_api(other)
-        other = arms[1] if child in arms[0] else arms[0]
-        return any(self._mentions_modern_api(statement) for statement in other)
+        return any(self._mentions_modern_api(node) for node in other_arm(branch, child))
 
     def _after_version_return(self, statement: nodes.NodeNG) -> bool:
         """``statement`` follows ``if <version test>: ... return`` in the same block."""
@@ -103,7 +109,9 @@ class DeprecatedAmpApi(Check):
                 return True
             if isinstance(sub, (nodes.Name, nodes.Attribute)):
                 qualname: Optional[str] = self.context.names.qualname(sub)
-                if qualname is not None and (qualname.startswith("torch.amp.") or qualname == "torch.autocast"):
+                if qualname is not None and (
+                    qualname.startswith("torch.amp.") or qualname == "torch.autocast"
+                ):
                     return True
         return False
 

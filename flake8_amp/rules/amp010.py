@@ -8,6 +8,7 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
   enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine).
 The finding is reported where the region is opened.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List, Optional, Tuple
@@ -48,9 +49,15 @@ class ScalerDtypeMismatch(Check):
         fp16 = [opener for opener, region in entries if region.dtype == FP16]
         bf16 = [opener for opener, region in entries if region.dtype == BF16]
         if fp16 and self._has_plain_backward(scope) and not self._mentions_scaler(scope):
-            self.report(fp16[0], detail="fp16 autocast and backward() with no GradScaler: small gradients flush to zero")
+            self.report(
+                fp16[0],
+                detail="fp16 autocast and backward() with no GradScaler: "
+                "small gradients flush to zero",
+            )
         if bf16 and self._scales_with_enabled_scaler(scope):
-            self.report(bf16[0], detail="GradScaler used with bf16 autocast, which needs no loss scaling")
+            self.report(
+                bf16[0], detail="GradScaler used with bf16 autocast, which needs no loss scaling"
+            )
 
     def _region_entries(self, scope: nodes.NodeNG) -> Iterator[Tuple[nodes.NodeNG, Region]]:
         """``(expression that opens it, region)`` for each active region opened in ``scope``."""
@@ -67,7 +74,7 @@ class ScalerDtypeMismatch(Check):
                     yield expr, region
 
     def _has_plain_backward(self, scope: nodes.NodeNG) -> bool:
-        """An unscaled tensor ``backward()`` (wrappers such as ``engine.backward(loss)`` take the loss)."""
+        """An unscaled ``tensor.backward()`` (wrappers take the loss: ``engine.backward(loss)``)."""
         for call in calls_in_order(scope):
             if self.context.names.qualname(call.func) in AUTOGRAD_BACKWARD:
                 return True
@@ -79,19 +86,27 @@ class ScalerDtypeMismatch(Check):
 
     def _scales_with_enabled_scaler(self, scope: nodes.NodeNG) -> bool:
         flow = scaler_analysis(self.context).flow(scope)
-        return bool(flow.scaled_backwards) and any(scaler.surely_enabled for scaler in flow.scalers.values())
+        return bool(flow.scaled_backwards) and any(
+            scaler.surely_enabled for scaler in flow.scalers.values()
+        )
 
     def _mentions_scaler(self, scope: nodes.NodeNG) -> bool:
         """The file uses a ``GradScaler``, or the function names a scaler (``loss_scaler``...)."""
         if self._file_uses_grad_scaler is None:
-            self._file_uses_grad_scaler = any(word.endswith("GradScaler") for word in _identifiers(self.context.module))
-        return self._file_uses_grad_scaler or any("scaler" in word.lower() for word in _identifiers(scope))
+            self._file_uses_grad_scaler = any(
+                word.endswith("GradScaler") for word in _identifiers(self.context.module)
+            )
+        return self._file_uses_grad_scaler or any(
+            "scaler" in word.lower() for word in _identifiers(scope)
+        )
 
 
 def _identifiers(node: nodes.NodeNG) -> List[str]:
     """Every name, attribute name and imported name in ``node``."""
     words = names_in([node])
-    for sub in node.nodes_of_class((nodes.AssignName, nodes.AssignAttr, nodes.Import, nodes.ImportFrom)):
+    for sub in node.nodes_of_class(
+        (nodes.AssignName, nodes.AssignAttr, nodes.Import, nodes.ImportFrom)
+    ):
         if isinstance(sub, (nodes.Import, nodes.ImportFrom)):
             words.extend(name for pair in sub.names for name in pair if name)
         else:

@@ -5,6 +5,7 @@ Reported where the dtype flow knows the values are fp16: ``x + 1e-8``, ``x.add(1
 or default) is that small, built over ``model.parameters()`` of a model cast to fp16 in
 the same function. bf16 shares fp32's exponent range, so 1e-8 is fine there.
 """
+
 from __future__ import annotations
 
 import re
@@ -69,8 +70,10 @@ class TinyEpsilon(Check):
             return
         self._check_optimizer(node)
 
-    def _guarded_value(self, node: nodes.Call) -> Optional[Tuple[nodes.NodeNG, Optional[nodes.NodeNG]]]:
-        """``(tensor, epsilon)`` of ``x.add(eps)``, ``x.clamp(min=eps)``, ``torch.clamp(x, eps)``."""
+    def _guarded_value(
+        self, node: nodes.Call
+    ) -> Optional[Tuple[nodes.NodeNG, Optional[nodes.NodeNG]]]:
+        """``(tensor, epsilon)`` of ``x.add(eps)``, ``x.clamp(min=eps)``, ``torch.clamp(x, eps)``"""
         qualname = self.context.names.qualname(node.func)
         if qualname is None:
             method, receiver = method_call(node)
@@ -90,7 +93,11 @@ class TinyEpsilon(Check):
         if callee is None or callee.instance or callee.qualname not in OPTIMIZER_DEFAULT_EPS:
             return
         given = callee.keyword("eps")
-        value = OPTIMIZER_DEFAULT_EPS[callee.qualname] if given is None else numeric_constant(given, self.context.names)
+        value = (
+            OPTIMIZER_DEFAULT_EPS[callee.qualname]
+            if given is None
+            else numeric_constant(given, self.context.names)
+        )
         if not _is_tiny(value):
             return
         params = callee.argument(0, "params")
@@ -108,7 +115,11 @@ class TinyEpsilon(Check):
             return False
         for call in calls_in_order(node.scope()):
             method, receiver = method_call(call)
-            if method in FP16_CASTS and expression_key(receiver) == key and self.context.dtypes.of(call) == FP16:
+            if (
+                method in FP16_CASTS
+                and expression_key(receiver) == key
+                and self.context.dtypes.of(call) == FP16
+            ):
                 return True
         return False
 
