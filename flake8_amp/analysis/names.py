@@ -107,9 +107,8 @@ class Names:
         """
         found = self._bindings.get(name)
         if found is None and not _defined_in_module(name):
-            found = self._bindings[name] = (
-                []
-            )  # a builtin or undefined: skip astroid's builtins lookup
+            # A builtin or an undefined name: skip astroid's lookup in builtins.
+            found = self._bindings[name] = []
         if found is None:
             try:
                 scope, statements = _lookup(name)

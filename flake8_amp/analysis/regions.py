@@ -105,12 +105,9 @@ class Regions:
                 region = self.opened_by(parent)
                 if region is not None:
                     return region
-            elif isinstance(parent, (nodes.FunctionDef, nodes.Lambda)) and child is not parent.args:
-                if isinstance(parent, nodes.FunctionDef) and not _in_decorators(parent, child):
-                    region = self.opened_by(parent)
-                    if region is not None:
-                        return region
-                return self._inherited_region(parent, visiting)
+            elif isinstance(parent, (nodes.FunctionDef, nodes.Lambda)) and _in_body(parent, child):
+                region = self.opened_by(parent)
+                return region if region is not None else self._inherited_region(parent, visiting)
             elif isinstance(parent, nodes.ClassDef):
                 return None
             child, parent = parent, parent.parent
@@ -360,8 +357,11 @@ def _is_with_item(with_node: nodes.With, child: nodes.NodeNG) -> bool:
     return any(child is expr or child is target for expr, target in with_node.items)
 
 
-def _in_decorators(function: nodes.FunctionDef, child: nodes.NodeNG) -> bool:
-    return function.decorators is not None and child is function.decorators
+def _in_body(function: nodes.NodeNG, child: nodes.NodeNG) -> bool:
+    """``child`` runs when ``function`` is called (not its decorators, defaults, annotations)."""
+    if isinstance(function, nodes.Lambda) and not isinstance(function, nodes.FunctionDef):
+        return child is function.body
+    return any(child is statement for statement in function.body)
 
 
 def _is_decorator(expr: nodes.NodeNG) -> bool:
