@@ -138,6 +138,8 @@ def _run(options) -> int:
     import amp_runtime
 
     out = Path(options.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"run: --out {options.out}: exists and is not a folder")
     try:
         guard = amp_runtime.guard(
             policy=options.policy, trace=options.trace, select=options.select,

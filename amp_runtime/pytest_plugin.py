@@ -16,7 +16,7 @@ suites that do not use it, and never breaks a run where torch is not installed.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
@@ -68,8 +68,8 @@ def _codes(values) -> List[str]:
     codes = []
     for value in values or ():
         if not isinstance(value, str):
-            raise TypeError(f"amp_guard allow= takes AMP codes as strings, got {value!r}")
-        codes += [part.strip().upper() for part in value.replace(",", " ").split() if part.strip()]
+            raise TypeError(f"allow= takes AMP codes as strings, got {value!r}")
+        codes += [part.upper() for part in value.replace(",", " ").split()]
     return codes
 
 
@@ -79,17 +79,21 @@ def is_allowed(code: str, severity: str, allow: Sequence[str]) -> bool:
     return any(code.startswith(prefix) for prefix in allow)
 
 
-@pytest.fixture
-def amp_guard(request: pytest.FixtureRequest):
-    """The test body runs inside ``amp_runtime.guard()``; events it does not allow fail it."""
+def _guard_options(request: pytest.FixtureRequest) -> Tuple[Dict[str, Any], List[str]]:
+    """``guard()`` keyword arguments and the allowed codes, from the marker and ini options."""
     marker = request.node.get_closest_marker(FIXTURE)
-    options = dict(marker.kwargs) if marker else {}
     if marker and marker.args:
-        raise TypeError("@pytest.mark.amp_guard takes keyword arguments only "
-                        "(allow=, trace=, policy=, ...)")
+        raise TypeError("takes keyword arguments only (allow=, trace=, policy=, ...)")
+    options = dict(marker.kwargs) if marker else {}
     allow = _codes(request.config.getini("amp_guard_allow")) + _codes(options.pop("allow", ()))
     options.setdefault("trace", request.config.getini("amp_guard_trace") or "auto")
     options.setdefault("policy", "record")
+    return options, allow
+
+
+@pytest.fixture
+def amp_guard(request: pytest.FixtureRequest):
+    """The test body runs inside ``amp_runtime.guard()``; events it does not allow fail it."""
     try:
         import torch  # noqa: F401  (the guard needs it; say so plainly when it is missing)
     except ImportError as err:
@@ -97,7 +101,12 @@ def amp_guard(request: pytest.FixtureRequest):
                     pytrace=False)
     import amp_runtime
 
-    with amp_runtime.guard(**options) as guard:
+    try:
+        options, allow = _guard_options(request)
+        guard = amp_runtime.guard(**options)
+    except (TypeError, ValueError) as err:
+        pytest.fail(f"amp_guard (marker or amp_guard_* ini options): {err}", pytrace=False)
+    with guard:
         request.node.stash[_GUARD_KEY] = guard
         request.node.stash[_ALLOW_KEY] = allow
         yield guard

@@ -139,6 +139,7 @@ BAD_INPUT = [
     (("run", "missing.py"), "run: missing.py: no such file"),
     (("run", "--trace", "sometimes", "x.py"), "invalid choice: 'sometimes'"),
     (("run", "--select", ",", "x.py"), "expected AMP codes"),
+    (("run", "--out", "x.py", "x.py"), "--out x.py: exists and is not a folder"),
     (("report", "nowhere"), "report: nowhere: no such directory"),
     (("report", "."), "neither events.jsonl nor metrics.jsonl"),
     (("compare", "nocolon"), "is not MODULE:FACTORY"),
@@ -150,6 +151,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("args, message", BAD_INPUT)
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("print('never runs')\n", encoding="utf-8")
     assert main(list(args)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err

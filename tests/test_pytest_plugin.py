@@ -100,3 +100,23 @@ def test_without_torch_plain_suites_run_and_the_fixture_fails_clearly(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*the amp_guard fixture needs torch*install flake8-amp?runtime?"])
+
+
+def test_a_misconfigured_marker_fails_the_test_with_a_clear_message(pytester):
+    pytester.makepyfile(test_bad="""
+import pytest
+
+@pytest.mark.amp_guard(trace="sometimes")
+def test_bad_trace():
+    pass
+
+@pytest.mark.amp_guard(allow=[101])
+def test_bad_allow():
+    pass
+""")
+    result = _run(pytester)
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines([
+        "*amp_guard (marker or amp_guard_* ini options): *sometimes*",
+        "*: allow= takes AMP codes as strings, got 101",
+    ])
