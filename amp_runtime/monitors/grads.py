@@ -9,9 +9,11 @@ Where the gradients are read:
   scaled them and nobody unscaled them, they are divided by the scale before judging);
 * for loops with neither, at ``guard.step()`` over the ``model=`` parameters.
 
-The statistics of one set of gradients are a handful of ``torch._foreach_*`` kernels (a fused pass, no
-per-parameter Python work on the device side) producing one small ``(4, n)`` tensor. They stay on the device
-until the step ends, where all of a step's samples are read with one host transfer. Gradient accumulation
+The statistics of one set of gradients are ``torch._foreach_*`` kernels (fused over all parameters)
+producing one small tensor: every step only the per-parameter L2 norms (one pass: non-finite values,
+total norm, vanishing layers), every ``Thresholds.grad_detail_every`` steps and on logged steps also
+max |g|, nonzero counts and fp16 underflow counts. They stay on the device until the step ends, where all
+of a step's samples are read with one host transfer. Gradient accumulation
 is judged once per step because samples are taken where the optimizer consumes the gradients, not at
 backward.
 """
@@ -38,34 +40,35 @@ FP16_FLUSH_LIMIT = FP16_TINY_SUBNORMAL / 2
 _NAMES_IN_MESSAGE = 5
 
 #: Rows of the statistics tensor.
-MAX, NORM, NONZERO, SURVIVES = range(4)
+NORM, MAX, NONZERO, SURVIVES = range(4)
 
 
-def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-gradient statistics of same-device ``grads`` as one ``(4, n)`` float32 tensor, without a host sync.
+def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Tensor] = None,
+                   detailed: bool = True) -> torch.Tensor:
+    """Per-gradient statistics of same-device ``grads`` as one float32 tensor, without a host sync.
 
-    Rows: max |g| (NaN/Inf propagate), L2 norm, number of nonzero elements, and — when ``loss_scale`` (the
-    factor the gradients would be multiplied by in the fp16 backward, a device tensor) is given — the number
-    of elements whose value times ``loss_scale`` survives the cast to float16; NaN otherwise.
+    Row ``NORM``: the L2 norm (NaN/Inf propagate), one fused pass. When ``detailed``, also ``MAX`` (max |g|),
+    ``NONZERO`` (number of nonzero elements) and ``SURVIVES``: given ``loss_scale`` — the factor the
+    gradients would be multiplied by in an fp16 backward, a device tensor — the number of elements whose
+    value times ``loss_scale`` survives the cast to float16 (NaN without a scale). Shape ``(4, n)`` when
+    detailed, else ``(1, n)``.
     """
     grads = list(grads)
     with torch.no_grad():
-        rows = [
-            torch._foreach_norm(grads, math.inf, dtype=torch.float32),
-            torch._foreach_norm(grads, 2, dtype=torch.float32),
-            torch._foreach_norm(grads, 0, dtype=torch.float32),
-        ]
-        if loss_scale is None:
-            survives = [torch.full((), math.nan, device=grads[0].device)] * len(grads)
-        else:
-            # |g * scale| - limit > 0  <=>  the scaled value does not flush; counted by an L0 norm.
-            magnitude = torch._foreach_mul([g.float() for g in grads], loss_scale.to(grads[0].device))
-            torch._foreach_abs_(magnitude)
-            torch._foreach_sub_(magnitude, FP16_FLUSH_LIMIT)
-            torch._foreach_clamp_min_(magnitude, 0.0)
-            survives = torch._foreach_norm(magnitude, 0, dtype=torch.float32)
-        rows.append(survives)
-        return torch.stack([torch.stack(row) for row in rows])
+        columns = list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        if detailed:
+            columns += torch._foreach_norm(grads, math.inf, dtype=torch.float32)
+            columns += torch._foreach_norm(grads, 0, dtype=torch.float32)
+            if loss_scale is None:
+                columns += [torch.full((), math.nan, device=grads[0].device)] * len(grads)
+            else:
+                # |g * scale| - limit > 0  <=>  the scaled value does not flush; counted by an L0 norm.
+                magnitude = torch._foreach_mul([g.float() for g in grads], loss_scale.to(grads[0].device))
+                torch._foreach_abs_(magnitude)
+                torch._foreach_sub_(magnitude, FP16_FLUSH_LIMIT)
+                torch._foreach_clamp_min_(magnitude, 0.0)
+                columns += torch._foreach_norm(magnitude, 0, dtype=torch.float32)
+        return torch.stack(columns).reshape(-1, len(grads))
 
 
 @dataclass
@@ -87,9 +90,11 @@ class LayerGrad:
 
     name: str
     numel: int
-    max: float
     norm: float
-    zero_fraction: float
+    #: These three are None on steps without detailed statistics.
+    max: Optional[float]
+    #: Fraction of exact zeros.
+    zero_fraction: Optional[float]
     #: Fraction of the nonzero elements that flush to zero in fp16 at the loss scale (None without one).
     underflow_fraction: Optional[float]
 
@@ -115,20 +120,21 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
     offset = 0
     for sample, factor, scale in zip(samples, factors, scales):
         n = len(sample.names)
-        rows = [host[offset + r * n: offset + (r + 1) * n] for r in range(4)]
-        offset += 4 * n
+        rows = [host[offset + r * n: offset + (r + 1) * n] for r in range(sample.stats.shape[0])]
+        offset += len(rows) * n
         for i, (name, numel) in enumerate(zip(sample.names, sample.numels)):
-            nonzero = rows[NONZERO][i]
-            survives = rows[SURVIVES][i]
-            underflow = None
-            if not math.isnan(survives):
-                underflow = (nonzero - survives) / nonzero if nonzero else 0.0
+            largest = zero_fraction = underflow = None
+            if len(rows) > 1:
+                largest, nonzero, survives = rows[MAX][i] / factor, rows[NONZERO][i], rows[SURVIVES][i]
+                zero_fraction = 1.0 - nonzero / numel if numel else 0.0
+                if not math.isnan(survives):
+                    underflow = (nonzero - survives) / nonzero if nonzero else 0.0
             layers.append(LayerGrad(
                 name=name,
                 numel=numel,
-                max=rows[MAX][i] / factor,
                 norm=rows[NORM][i] / factor,
-                zero_fraction=1.0 - nonzero / numel if numel else 0.0,
+                max=largest,
+                zero_fraction=zero_fraction,
                 underflow_fraction=underflow,
             ))
     known_scales = [s for s in scales if not math.isnan(s)]
@@ -150,7 +156,7 @@ def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], li
     if not layers:
         return []
     findings: List[Tuple[str, dict]] = []
-    nonfinite = [layer_of(g.name) for g in layers if not math.isfinite(g.max)]
+    nonfinite = [layer_of(g.name) for g in layers if not math.isfinite(g.norm)]
     if nonfinite:
         names = list(dict.fromkeys(nonfinite))
         findings.append(("AMP103", dict(where=_listing(names), module=names[0], details={"layers": names})))
@@ -172,11 +178,12 @@ def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], li
             details={"total_norm": total},
         )))
     else:
-        layer_max: Dict[str, float] = {}
+        # A layer's L2 norm bounds every |g| in it: norm < limit means max |g| < limit, with no extra pass.
+        layer_norm: Dict[str, float] = {}
         for g in layers:
             key = layer_of(g.name)
-            layer_max[key] = max(layer_max.get(key, 0.0), g.max)
-        vanished = [name for name, value in layer_max.items() if value < limits.grad_vanishing_layer]
+            layer_norm[key] = math.hypot(layer_norm.get(key, 0.0), g.norm)
+        vanished = [name for name, value in layer_norm.items() if value < limits.grad_vanishing_layer]
         if vanished:
             findings.append(("AMP105", dict(
                 detail=f"gradients vanished (max |g| < {limits.grad_vanishing_layer:g}) in "
@@ -260,7 +267,7 @@ class GradHealth(Monitor):
             if loss_scale is not None:
                 flush_factor = torch.ones((), device=grads[0].device) if scaled_by is not None else loss_scale
             with torch._C.DisableTorchFunction():
-                stats = gradient_stats(grads, flush_factor)
+                stats = gradient_stats(grads, flush_factor, detailed=self._detailed_step())
             self.pending.append(GradSample(
                 names=self.names.names(device_params),
                 numels=[g.numel() for g in grads],
@@ -295,6 +302,13 @@ class GradHealth(Monitor):
         self._sample(params, scaled_by=scaled_by, loss_scale=scaled_by)
         self.sampled_optimizers.add(id(optimizer))
 
+    def _detailed_step(self) -> bool:
+        """Whether this step also counts zeros and fp16 underflow (AMP106, metrics.jsonl layers)."""
+        guard, limits = self.guard, self.guard.thresholds
+        step = guard.step_index
+        logged = guard.log_dir is not None and step % limits.metrics_every == 0
+        return logged or step % limits.grad_detail_every == 0
+
     # -- judgement ---------------------------------------------------------------------
 
     def on_step_end(self, step, record):
@@ -312,7 +326,9 @@ class GradHealth(Monitor):
                 return  # the scaler caught inf/NaN and skips the step: AMP109's business
         layers, loss_scale = read_samples(samples)
         findings = judge_gradients(layers, loss_scale, self.guard.thresholds)
-        keys = set()
+        detailed = layers[0].max is not None
+        # AMP105-AMP106 conditions last; report them when they start or change, not at every step
+        keys = {key for key in self._previous_keys if key[0] == "AMP106" and not detailed}
         for code, kwargs in findings:
             key = (code, kwargs.get("severity"), kwargs.get("layer"), tuple(kwargs.get("details", {}).get("layers", ())))
             keys.add(key)
@@ -321,7 +337,7 @@ class GradHealth(Monitor):
         self._previous_keys = keys
         finite = all(math.isfinite(g.norm) for g in layers)
         record["grad_norm"] = math.sqrt(sum(g.norm ** 2 for g in layers)) if finite else math.nan
-        if step % self.guard.thresholds.metrics_every == 0:
+        if detailed and step % self.guard.thresholds.metrics_every == 0:
             record["layers"] = {g.name: g.to_json() for g in layers}
 
 
