@@ -20,6 +20,8 @@ LOSS_FUNCTIONS = frozenset(
         "nll_loss",
     }
 )
+#: How many reshaping re-assignments (``out = out.view(...)``) are followed back.
+_MAX_HOPS = 4
 #: Tensor methods that move or convert data; their results are not forward outputs.
 DATA_METHODS = frozenset(
     {"to", "cuda", "cpu", "type", "numpy", "item", "tolist", "new_tensor"}
@@ -67,17 +69,29 @@ class LossOutsideAutocast(Check):
     def _autocast_output_name(self, arg: nodes.NodeNG) -> Optional[str]:
         """The name of ``arg``'s variable if it holds a forward output made inside an
         autocast region that does not enclose the loss, with no upcast since."""
-        dtypes = self.context.dtypes
         root = _strip(arg)
-        if not isinstance(root, nodes.Name) or dtypes.of(arg) in (FP32, INT):
+        if not isinstance(root, nodes.Name) or self.context.dtypes.of(arg) in (FP32, INT):
             return None
-        for binding in self.context.names.bindings(root):
+        return root.name if self._made_under_autocast(root, _MAX_HOPS) else None
+
+    def _made_under_autocast(self, name: nodes.Name, hops: int) -> bool:
+        """Some assignment reaching ``name`` stores a forward output made in an autocast
+        region, directly or through reshaping re-assignments (``out = out.view(-1, C)``)."""
+        dtypes = self.context.dtypes
+        statement = name.statement()
+        for binding in self.context.names.bindings(name):
             value = _bound_value(binding)
-            if value is None or dtypes.of(value) in (FP32, INT) or not self._forward_output(value):
+            if value is None or binding.statement() is statement or dtypes.of(value) in (FP32, INT):
                 continue
-            if self.context.regions.autocast_at(binding) is not None:
-                return root.name
-        return None
+            if self._forward_output(value):
+                if self.context.regions.autocast_at(binding) is not None:
+                    return True
+                continue
+            source = _strip(value)
+            if hops > 0 and isinstance(source, nodes.Name):
+                if self._made_under_autocast(source, hops - 1):
+                    return True
+        return False
 
     def _forward_output(self, value: nodes.NodeNG) -> bool:
         """``model(x)``, ``self.net(x)[0]``, ``x @ w``: low precision or a call that is not a

@@ -135,6 +135,13 @@ def loss_module_moved_to_device(model, x, y, device):
     return loss_fn(logits, y)  # AMP002
 
 
+def reshaped_after_block(model, x, y):
+    with torch.autocast("cuda"):
+        output = model(x)
+    output = output.view(-1, output.size(-1))
+    return F.cross_entropy(output, y.view(-1))  # AMP002
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -261,3 +268,10 @@ def loss_module_built_in_region(model, x, y):
         loss_fn = nn.CrossEntropyLoss()
         out = model(x).float()
     return loss_fn(out, y)
+
+
+def reshaped_and_upcast_after_block(model, x, y):
+    with torch.autocast("cuda"):
+        output = model(x)
+    output = output.view(-1, output.size(-1)).float()
+    return F.cross_entropy(output, y.view(-1))
