@@ -17,7 +17,11 @@ DTYPE_NAMES = {FP16: "float16", BF16: "bfloat16"}
 
 
 class LowPrecisionReduce(Check):
-    """Reductions accumulate rounding error (and overflow in fp16) unless upcast."""
+    """Reductions accumulate rounding error (and overflow in fp16) unless upcast.
+
+    Not reported in no_grad / inference / evaluation code, where casting to fp16 on
+    purpose is common and endorsed.
+    """
 
     code = "AMP004"
     triggers = ("half", "float16", "bfloat16", "autocast")
@@ -33,6 +37,8 @@ class LowPrecisionReduce(Check):
         region = self.context.regions.autocast_at(node)
         if region is not None and autocast_fp32_op(op, region):
             return
+        if self.context.grad.not_training_at(node):
+            return  # pure low-precision inference/evaluation is a legitimate choice
         self.report(node, op=op, dtype=DTYPE_NAMES.get(kind, "float16/bfloat16"))
 
     def _reduction_input(self, node: nodes.Call) -> Optional[nodes.NodeNG]:

@@ -216,3 +216,14 @@ def reassigned_to_fp32(x):
     h = x.half()
     h = h.float()
     return h.mean()
+
+
+@torch.no_grad()
+def evaluate_in_half(model, x):
+    scores = x.half() @ model.weight.half().t()
+    return scores.mean()
+
+
+def predict_probabilities(x):
+    h = x.half()
+    return h.softmax(-1).sum(-1)
