@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import gc
 import re
-from typing import Iterable, Iterator, List, Sequence, Tuple
+from typing import Iterable, Iterator, Sequence, Tuple
 
 from flake8.exceptions import ExecutionError
 
@@ -120,10 +120,3 @@ class AmpChecker:
 
     def _skipped(self, reason: str) -> Tuple[int, int, str, type]:
         return 1, 0, f"AMP000 {catalog.rule('AMP000').format(reason=reason)}", type(self)
-
-
-def lint_source(source: str, filename: str = "<string>", options: Options = Options()) -> List[str]:
-    """``line:col: CODE message`` for every finding in ``source`` (tests and tools)."""
-    checker = AmpChecker(ast.parse(source), source.splitlines(keepends=True), filename)
-    checker.options = options
-    return [f"{line}:{col + 1}: {message}" for line, col, message, _ in checker.run()]
