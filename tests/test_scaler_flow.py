@@ -277,3 +277,60 @@ def test_calls_in_order_is_evaluation_order_and_skips_nested_scopes():
         "scaler.scale(loss(x)).backward()",
         "f(lambda: g())",
     ]
+
+
+def test_method_that_unscales_is_a_helper():
+    flow = flow_of(
+        """
+        import torch
+        class Trainer:
+            def __init__(self):
+                self.scaler = torch.amp.GradScaler("cuda")
+            def _unscale(self, opt):
+                self.scaler.unscale_(opt)
+            def _log(self, opt):
+                print(opt)
+            def step(self, loss, opt, clip):
+                self.scaler.scale(loss).backward()
+                self._log(opt)
+                clip(opt)
+                self._unscale(opt)
+                clip(opt)
+        """
+    )
+    assert flow.phases_before(call(flow, "clip(opt)", 0)) == {SCALED}
+    assert flow.phases_before(call(flow, "clip(opt)", 1)) == {HELPED}
+
+
+def test_scaler_updated_by_the_caller_or_another_method():
+    module = module_of(
+        """
+        import torch
+        def helper(scaler, opt):
+            scaler.unscale_(opt)
+            scaler.step(opt)
+        def orphan(scaler, opt):
+            scaler.unscale_(opt)
+            scaler.step(opt)
+        def train(loss, opt):
+            scaler = torch.amp.GradScaler("cuda")
+            scaler.scale(loss).backward()
+            helper(scaler, opt)
+            scaler.update()
+        class Trainer:
+            def step(self, opt):
+                self.scaler.unscale_(opt)
+                self.scaler.step(opt)
+            def end(self):
+                self.scaler.update()
+        """
+    )
+    analysis = scaler_analysis(Context(module))
+    receivers = {
+        c.scope().name: c.func.expr
+        for c in module.nodes_of_class(nodes.Call)
+        if c.as_string() in ("scaler.step(opt)", "self.scaler.step(opt)")
+    }
+    assert analysis.updated_elsewhere(receivers["helper"])
+    assert not analysis.updated_elsewhere(receivers["orphan"])
+    assert analysis.updated_elsewhere(receivers["step"])

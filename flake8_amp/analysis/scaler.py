@@ -184,7 +184,7 @@ class ScalerFlow:
 
     def __init__(self, analysis: "ScalerAnalysis", scope: nodes.NodeNG):
         self.scope = scope
-        self.names = analysis.names
+        self._analysis = analysis
         self.scalers: Dict[str, Scaler] = analysis.scalers_in(scope)
         #: The states that may hold just before each call of the scope runs.
         self.states_before: Dict[nodes.Call, States] = {}
@@ -361,7 +361,9 @@ class ScalerFlow:
             if method == "update":
                 return self._updated(states, phase=None)
             return states
-        if any(self.is_scaler(arg) for arg in _arguments(call)):
+        if any(self.is_scaler(arg) for arg in _arguments(call)) or self._analysis.is_scaler_helper(
+            call
+        ):
             return self._updated(states, phase=HELPED)
         return states
 
@@ -398,6 +400,7 @@ class ScalerAnalysis:
         self.context = context
         self.names = context.names
         self._flows: Dict[nodes.NodeNG, ScalerFlow] = {}
+        self._helpers: Dict[nodes.NodeNG, bool] = {}
 
     def flow(self, node: nodes.NodeNG) -> ScalerFlow:
         """The flow of the function (or module body) that ``node`` runs in."""
@@ -448,26 +451,69 @@ class ScalerAnalysis:
             if isinstance(value, nodes.Call) and self.names.callee_qualname(value) in GRAD_SCALERS
         ]
 
-    def class_updates(self, attribute: nodes.NodeNG) -> bool:
-        """``self.<scaler>.update()`` is called in some method of the enclosing class."""
-        classdef = enclosing_class(attribute)
-        if (
-            classdef is None
-            or not isinstance(attribute, nodes.Attribute)
-            or not is_self(attribute.expr)
-        ):
+    def is_scaler_helper(self, call: nodes.Call) -> bool:
+        """``call`` calls a function or method of this module that unscales, steps or updates
+        a scaler itself (``self._unscale_grads()``): after it, anything may have happened."""
+        function = self._local_definition(call)
+        if function is None:
             return False
-        for method in classdef.mymethods():
-            for call in calls_in_order(method):
-                name, receiver = method_call(call)
-                if (
-                    name == "update"
-                    and isinstance(receiver, nodes.Attribute)
-                    and is_self(receiver.expr)
-                ):
-                    if receiver.attrname == attribute.attrname:
-                        return True
+        if function not in self._helpers:
+            scalers = self.scalers_in(function)
+            self._helpers[function] = any(
+                method in ("unscale_", "step", "update") and expression_key(receiver) in scalers
+                for method, receiver in map(method_call, calls_in_order(function))
+                if receiver is not None
+            )
+        return self._helpers[function]
+
+    def _local_definition(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
+        func = call.func
+        if isinstance(func, nodes.Name):
+            found = [b for b in self.names.bindings(func) if isinstance(b, nodes.FunctionDef)]
+            return found[0] if len(found) == 1 else None
+        if isinstance(func, nodes.Attribute) and is_self(func.expr):
+            classdef = enclosing_class(call)
+            found = [m for m in classdef.mymethods() if m.name == func.attrname] if classdef else []
+            return found[0] if len(found) == 1 else None
+        return None
+
+    def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
+        """The scaler comes from outside the function and is updated there: ``self.<scaler>``
+        updated in another method of the class, or a parameter updated by a caller."""
+        if isinstance(scaler, nodes.Attribute) and is_self(scaler.expr):
+            classdef = enclosing_class(scaler)
+            return classdef is not None and any(
+                method == "update" and expression_key(receiver) == expression_key(scaler)
+                for function in classdef.mymethods()
+                for method, receiver in map(method_call, calls_in_order(function))
+            )
+        if isinstance(scaler, nodes.Name) and _is_parameter(scaler, self.names):
+            function = scaler.scope()
+            callers = {
+                call.scope()
+                for call in self.context.module.nodes_of_class(nodes.Call)
+                if _called_name(call) == function.name
+            }
+            return any(self._updates_a_scaler(caller) for caller in callers)
         return False
+
+    def _updates_a_scaler(self, scope: nodes.NodeNG) -> bool:
+        scalers = self.scalers_in(scope)
+        return any(
+            method == "update" and expression_key(receiver) in scalers
+            for method, receiver in map(method_call, calls_in_order(scope))
+            if receiver is not None
+        )
+
+
+def _called_name(call: nodes.Call) -> str:
+    func = call.func
+    return func.name if isinstance(func, nodes.Name) else getattr(func, "attrname", "")
+
+
+def _is_parameter(name: nodes.Name, names) -> bool:
+    bindings = names.bindings(name)
+    return bool(bindings) and all(isinstance(b.parent, nodes.Arguments) for b in bindings)
 
 
 _ANALYSES: "weakref.WeakKeyDictionary[object, ScalerAnalysis]" = weakref.WeakKeyDictionary()

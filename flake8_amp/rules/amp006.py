@@ -13,6 +13,7 @@ from typing import Optional
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
+from flake8_amp.analysis.names import is_self, names_in
 from flake8_amp.analysis.scaler import (
     HELPED,
     SCALED,
@@ -53,7 +54,7 @@ class StepBypassesScaler(Check):
         if not phases & {SCALED, UNSCALED} or HELPED in phases or flow.in_no_scaler_arm(node):
             return
         key = expression_key(receiver)
-        if key is not None and flow.stepped_before(node, key):
+        if key is not None and flow.stepped_before(node, key) or self._wraps_scaler(receiver):
             return
         self.report(
             node,
@@ -61,10 +62,26 @@ class StepBypassesScaler(Check):
             "(inf/NaN steps are not skipped)",
         )
 
+    def _wraps_scaler(self, optimizer: nodes.NodeNG) -> bool:
+        """The optimizer was built around the scaler (``AmpOptimizer(opt, scaler)``)."""
+        names = self.context.names
+        if isinstance(optimizer, nodes.Name):
+            values = names.assigned_values(optimizer) or []
+        elif isinstance(optimizer, nodes.Attribute) and is_self(optimizer.expr):
+            values = names.self_attribute_values(optimizer)
+        else:
+            return False
+        return any(
+            "scaler" in word.lower()
+            for value in values
+            if isinstance(value, nodes.Call)
+            for word in names_in([*value.args, *(kw.value for kw in value.keywords or ())])
+        )
+
     def _check_update(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
         if node not in flow.steps_without_update():
             return
-        if scaler_analysis(self.context).class_updates(receiver):
+        if scaler_analysis(self.context).updated_elsewhere(receiver):
             return
         scaler = receiver.as_string()
         self.report(

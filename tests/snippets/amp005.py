@@ -419,3 +419,22 @@ def fairseq_style_optimizer(model, batch, optimizer):
     optimizer.backward(loss)
     optimizer.clip_grad_norm(1.0)
     optimizer.step()
+
+
+class UnscaleInHelperMethod:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def _unscale_grads(self):
+        self.scaler.unscale_(self.optimizer)
+
+    def train_step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        self._unscale_grads()
+        clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()

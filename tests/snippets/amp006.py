@@ -328,3 +328,42 @@ def apex_scale_loss(model, batch, optimizer, amp):
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         scaled_loss.backward()
     optimizer.step()
+
+
+def optimizer_wrapping_the_scaler(model, batch, base_optimizer, scaler, AmpOptimizer):
+    optimizer = AmpOptimizer(base_optimizer, scaler=scaler)
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    optimizer.step()
+
+
+class UnscaleInOwnMethod:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def _step_optimizer(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def train_step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        self._step_optimizer()
+        self.optimizer.zero_grad()
+
+
+def step_helper_updated_by_caller(optimizer, scaler):
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+
+
+def caller_updates(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    step_helper_updated_by_caller(optimizer, scaler)
+    scaler.update()
