@@ -271,3 +271,24 @@ def test_gradient_accumulation_is_judged_once_per_step(tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert metrics[0]["loss"] == pytest.approx(sum(micro_losses[:4]) / 4, rel=1e-3)
+
+
+def test_norm_is_taken_before_clipping_reusing_clip_grad_norm():
+    model = mlp(depth=2, width=16, activation=torch.nn.Tanh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    clip_norms, recorded = [], []
+    limits = amp_runtime.Thresholds(grad_detail_every=4)  # steps 0 and 4 detailed, the others norms only
+    with amp_runtime.guard(policy="record", thresholds=limits) as g:
+        g.step_listeners.append(lambda step, record: recorded.append(record["grad_norm"]))
+        for _ in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(32, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            clip_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3).item())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert all(norm > 1e-2 for norm in clip_norms)  # every step was clipped hard
+    assert recorded == pytest.approx(clip_norms, rel=1e-5)  # judged before clipping, as clip_grad_norm_ saw them

@@ -245,6 +245,10 @@ class GradHealth(Monitor):
         #: The scaler's found_inf flags of this step's samples: any nonzero means the step is skipped.
         self.found_inf: List[torch.Tensor] = []
         self.sampled_optimizers: set = set()
+        #: Optimizers whose unscaled gradients are sampled at their step (id -> (scaled_by, loss_scale)).
+        self.deferred: Dict[int, tuple] = {}
+        #: Per-gradient L2 norms ``clip_grad_norm_`` computed after the unscale (id(grad) -> norm).
+        self.clip_norms: Dict[int, torch.Tensor] = {}
         self._previous_keys: set = set()
 
     def attach(self, guard):
@@ -252,12 +256,16 @@ class GradHealth(Monitor):
         self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
 
     def op_handlers(self):
-        return {torch._amp_foreach_non_finite_check_and_unscale_: OpHandler(after=self._unscaled)}
+        return {
+            torch._amp_foreach_non_finite_check_and_unscale_: OpHandler(after=self._unscaled),
+            torch._foreach_norm: OpHandler(after=self._norms_computed),
+        }
 
     # -- sampling ----------------------------------------------------------------------
 
     def _sample(self, params: Sequence[torch.Tensor], scaled_by=None, loss_scale=None) -> None:
         params = [p for p in params if p.grad is not None and not p.grad.is_sparse]
+        detailed = self._detailed_step()
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
         for param in params:
             by_device.setdefault(param.grad.device, []).append(param)
@@ -267,7 +275,10 @@ class GradHealth(Monitor):
             if loss_scale is not None:
                 flush_factor = torch.ones((), device=grads[0].device) if scaled_by is not None else loss_scale
             with torch._C.DisableTorchFunction():
-                stats = gradient_stats(grads, flush_factor, detailed=self._detailed_step())
+                if detailed:
+                    stats = gradient_stats(grads, flush_factor)
+                else:
+                    stats = self._norms_reusing_clip(grads)
             self.pending.append(GradSample(
                 names=self.names.names(device_params),
                 numels=[g.numel() for g in grads],
@@ -276,30 +287,57 @@ class GradHealth(Monitor):
                 loss_scale=loss_scale,
             ))
 
+    def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The NORM row, taking the norms clip_grad_norm_ already computed and computing only the rest."""
+        known = [self.clip_norms.get(id(g)) for g in grads]
+        missing = [g for g, norm in zip(grads, known) if norm is None]
+        if len(missing) == len(grads):
+            return gradient_stats(grads, detailed=False)
+        computed = iter(torch._foreach_norm(missing, 2, dtype=torch.float32) if missing else ())
+        norms = [norm.float() if norm is not None else next(computed) for norm in known]
+        return torch.stack(norms).reshape(1, -1)
+
     def _unscaled(self, func, args, kwargs, out):
         """GradScaler just checked (and usually unscaled) one optimizer's gradients of one device and dtype."""
         scaler, optimizer, still_scaled = scaler_call()
         if scaler is None or optimizer is None:
             return
+        self.found_inf.append(args[1])
+        scaled_by = scaler._scale if still_scaled else None
+        if not self._detailed_step():
+            # the norms are taken at the optimizer step, reusing clip_grad_norm_'s when it runs in between
+            self.deferred[id(optimizer)] = (scaled_by, scaler._scale)
+            return
         grads = {id(g) for g in args[0]}
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None and id(p.grad) in grads]
-        self._sample(params, scaled_by=scaler._scale if still_scaled else None, loss_scale=scaler._scale)
-        self.found_inf.append(args[1])
+        self._sample(params, scaled_by=scaled_by, loss_scale=scaler._scale)
         self.sampled_optimizers.add(id(optimizer))
+
+    def _norms_computed(self, func, args, kwargs, out):
+        order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        if not self.deferred or order != 2:
+            return
+        for tensor, norm in zip(args[0], out):
+            if tensor.dtype in (torch.float32, torch.float64):  # an fp16 norm may overflow where fp32 does not
+                self.clip_norms[id(tensor)] = norm
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
         if self.guard is None or self.guard.suspended or id(optimizer) in self.sampled_optimizers:
             return
         if threading.get_ident() != self.guard._thread:
             return
-        scaled_by = None
-        watch = watch_of(self.guard)
-        for state in watch.scaled_pending() if watch else ():
-            if state.stage(optimizer) is OptState.READY:
-                scaled_by = state.scaler._scale  # stepping on scaled gradients (AMP006): judge them unscaled
+        if id(optimizer) in self.deferred:
+            scaled_by, loss_scale = self.deferred.pop(id(optimizer))
+        else:
+            scaled_by = None
+            watch = watch_of(self.guard)
+            for state in watch.scaled_pending() if watch else ():
+                if state.stage(optimizer) is OptState.READY:
+                    scaled_by = state.scaler._scale  # stepping on scaled gradients (AMP006): judge them unscaled
+            loss_scale = scaled_by
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._sample(params, scaled_by=scaled_by, loss_scale=scaled_by)
+        self._sample(params, scaled_by=scaled_by, loss_scale=loss_scale)
         self.sampled_optimizers.add(id(optimizer))
 
     def _detailed_step(self) -> bool:
@@ -316,6 +354,8 @@ class GradHealth(Monitor):
             self._sample(list(self.guard.model.parameters()))
         samples, found_inf = self.pending, self.found_inf
         self.pending, self.found_inf, self.sampled_optimizers = [], [], set()
+        self.deferred.clear()
+        self.clip_norms.clear()
         record.setdefault("grad_norm", None)
         if not samples:
             return
