@@ -6,7 +6,7 @@ a list of monitors (``monitors``), each contributed by a module listed in
 turns per-op tracing on and off, and routes every finding through ``Guard.emit``.
 
 Threads: the mode is per thread, so only ops of the thread that entered the guard are
-checked; the global module and optimizer hooks ignore calls from other threads. Inside
+checked; the global optimizer hooks ignore calls from other threads. Inside
 ``optimizer.step()`` the mode is off: the optimizer's many small ops are not forward
 computation and checking them would only cost time.
 """
@@ -244,7 +244,6 @@ class Guard:
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
             self._events_file = open(os.path.join(self.log_dir, "events.jsonl"), "w", encoding="utf-8")
-        self.tracker.attach()
         # The mode leaves before any other optimizer pre-hook runs and comes back after
         # every post-hook: the optimizer and the monitors' per-step work run unobserved.
         self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._optimizer_step_starts))
@@ -279,7 +278,6 @@ class Guard:
             except Exception as err:  # keep removing the others' hooks
                 errors.append(err)
         self.monitors = []
-        self.tracker.detach()
         if self._events_file is not None:
             self._events_file.close()
             self._events_file = None

@@ -241,3 +241,19 @@ def test_step_listeners_receive_the_record():
         g.step()
     assert [s for s, _ in seen] == [0, 1]
     assert all(record["step"] == step for step, record in seen)
+
+
+def test_a_guard_entered_in_a_worker_thread_checks_that_thread():
+    found = {}
+
+    def worker():
+        with amp_runtime.guard(policy="record", select=["AMP004"]) as g:
+            torch.randn(8, dtype=torch.float16).sum()
+        found["codes"] = [e.code for e in g.report]
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    torch.randn(8, dtype=torch.float16).sum()  # main thread: no guard, nothing recorded
+    thread.join()
+    assert found["codes"] == ["AMP004"]
+    assert _get_current_function_mode_stack() == []
