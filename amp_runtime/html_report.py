@@ -16,6 +16,7 @@ import io
 import json
 import linecache
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,7 +207,7 @@ def _first_overflow(run: RunLog) -> str:
 
 
 def _place(event: Event) -> str:
-    inside = ", ".join(p for p in (event.op, event.source) if p)
+    inside = ", ".join(p for p in (event.op, _short_source(event.source)) if p)
     parts = [
         f"in {event.module}" if event.module else "",
         f"({inside})" if inside else "",
@@ -214,6 +215,17 @@ def _place(event: Event) -> str:
         f"[{event.code}]",
     ]
     return " ".join(p for p in parts if p)
+
+
+def _short_source(source: Optional[str]) -> Optional[str]:
+    """``file:line`` relative to the working folder when the file is inside it."""
+    if not source or not os.path.isabs(source):
+        return source
+    try:
+        relative = os.path.relpath(source)
+    except ValueError:  # another drive (Windows)
+        return source
+    return source if relative.startswith(os.pardir) else relative
 
 
 def _where(event: Event) -> str:
