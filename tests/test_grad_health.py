@@ -292,3 +292,23 @@ def test_norm_is_taken_before_clipping_reusing_clip_grad_norm():
             opt.zero_grad()
     assert all(norm > 1e-2 for norm in clip_norms)  # every step was clipped hard
     assert recorded == pytest.approx(clip_norms, rel=1e-5)  # judged before clipping, as clip_grad_norm_ saw them
+
+
+@pytest.mark.parametrize("eps, dtype, reported", [
+    (1e-8, torch.float16, True),
+    (1e-4, torch.float16, False),
+    (1e-8, torch.float32, False),
+])
+def test_adam_epsilon_over_fp16_parameters_is_amp011(eps, dtype, reported):
+    model = torch.nn.Linear(4, 2).to(dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
+    with amp_runtime.guard(policy="record", select=["AMP011"]) as g:
+        for _ in range(3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.grad = torch.ones_like(p)
+            opt.step()
+    events = g.report.by_code("AMP011")
+    assert len(events) == (1 if reported else 0)
+    if reported:
+        assert events[0].op == "Adam.step" and "1e-08" in events[0].message

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -31,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.monitors.scaler import live_instances, scaler_call, watch_of
+from amp_runtime.rules.amp011 import flushes_to_zero
 from amp_runtime.thresholds import Thresholds
 
 #: A value whose magnitude is at most this rounds to zero in float16 (round-to-nearest-even).
@@ -381,5 +383,31 @@ class GradHealth(Monitor):
             record["layers"] = {g.name: g.to_json() for g in layers}
 
 
+class OptimizerEpsilon(Monitor):
+    """AMP011's optimizer half: an ``eps`` (Adam, AdamW, RMSprop, ...) that flushes to zero in the fp16
+    parameters' optimizer state it is added to. Checked once per optimizer, at its first step."""
+
+    codes = ("AMP011",)
+
+    def __init__(self):
+        super().__init__()
+        self._checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+    def attach(self, guard):
+        super().attach(guard)
+        self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
+
+    def _optimizer_step_starts(self, optimizer, args, kwargs):
+        guard = self.guard
+        if optimizer in self._checked or guard.suspended or threading.get_ident() != guard._thread:
+            return
+        self._checked.add(optimizer)
+        for index, group in enumerate(optimizer.param_groups):
+            eps = group.get("eps")
+            if flushes_to_zero(eps) and any(p.dtype == torch.float16 for p in group["params"]):
+                guard.emit("AMP011", op=f"{type(optimizer).__name__}.step", value=f"{eps:g}",
+                           details={"param_group": index})
+
+
 def monitors(guard):
-    return [GradHealth(guard)]
+    return [GradHealth(guard), OptimizerEpsilon()]

@@ -1,0 +1,144 @@
+"""Runtime halves of AMP005, AMP006 and AMP010: real CPU fp16/bf16 autocast loops with a GradScaler."""
+import pytest
+import torch
+
+import amp_runtime
+
+
+def setup(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def forward_loss(model, dtype=torch.float16):
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(torch.randn(16, 8))
+    return out.float().pow(2).mean()
+
+
+def run(loop, steps=3, **guard_kwargs):
+    with amp_runtime.guard(policy="record", **guard_kwargs) as g:
+        for step in range(steps):
+            loop(step)
+    return g
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_clipping_scaled_gradients_is_amp005(clip):
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        scaler.scale(forward_loss(model)).backward()
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    events = run(loop).report.by_code("AMP005")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert events[0].severity == "P0" and events[0].message.startswith(f"clip_grad_{clip}_ clips")
+
+
+def test_clipping_after_unscale_is_fine():
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        scaler.scale(forward_loss(model)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    g = run(loop)
+    assert not g.report.by_code("AMP005") and not g.report.by_code("AMP006") and not g.report.by_code("AMP010")
+
+
+def test_clipping_without_a_scaler_is_not_amp005():
+    model, opt = setup()
+
+    def loop(step):
+        forward_loss(model, torch.bfloat16).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    assert not run(loop).report.by_code("AMP005")
+
+
+def test_optimizer_step_on_scaled_gradients_is_amp006():
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        scaler.scale(forward_loss(model)).backward()
+        opt.step()  # bypasses the scaler
+        opt.zero_grad()
+
+    g = run(loop)
+    events = g.report.by_code("AMP006")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert "SGD.step() runs on gradients GradScaler scaled" in events[0].message
+    assert g.step_index == 3  # without update() the optimizer steps end the steps
+
+
+def test_scaler_step_without_update_is_amp006():
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_runtime.guard(policy="record") as g:
+        scaler.scale(forward_loss(model)).backward()
+        scaler.step(opt)
+        opt.zero_grad()
+        scaler.scale(forward_loss(model)).backward()  # no update() in between
+    (event,) = g.report.by_code("AMP006")
+    assert "not followed by scaler.update()" in event.message
+
+
+def test_fp16_backward_without_a_scaler_is_amp010_once():
+    model, opt = setup()
+
+    def loop(step):
+        forward_loss(model).backward()
+        opt.step()
+        opt.zero_grad()
+
+    (event,) = run(loop).report.by_code("AMP010")
+    assert event.step == 0 and "no GradScaler" in event.message
+
+
+def test_scaler_with_bf16_is_amp010():
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        scaler.scale(forward_loss(model, torch.bfloat16)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    (event,) = run(loop).report.by_code("AMP010")
+    assert "bfloat16" in event.message
+
+
+@pytest.mark.parametrize("dtype, scaled", [(torch.float16, True), (torch.bfloat16, False), (torch.float32, False)])
+def test_matching_scaler_and_dtype_is_not_amp010(dtype, scaled):
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+
+    def loop(step):
+        if dtype == torch.float32:
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+        else:
+            loss = forward_loss(model, dtype)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    assert not run(loop).report.by_code("AMP010")
