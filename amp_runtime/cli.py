@@ -235,7 +235,7 @@ def _compare(options) -> int:
     try:
         result = compare(model, inputs, dtype=getattr(torch, options.dtype),
                          device_type=options.device_type, tolerance=options.tolerance)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RuntimeError) as err:
         raise CliError(f"compare: {err}") from None
     if options.json:
         print(json.dumps(result.to_json(), indent=2))

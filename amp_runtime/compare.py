@@ -189,6 +189,8 @@ class CompareResult:
             parts.append("Keep in float32:\n" + "\n".join(
                 f"  {n or _ROOT}: {reasons[n or _ROOT]}" for n in self.keep_fp32) + kept)
             parts.append(self.snippet())
+        elif not self.modules:
+            parts.append("No module produced a floating-point output: nothing to compare.")
         else:
             parts.append(f"Every module stays within tolerance in {self.dtype}.")
         return "\n\n".join(parts)
@@ -241,7 +243,11 @@ def compare(
     devices = sorted(cuda)
     with _preserved(model, train), torch.random.fork_rng(devices=devices), torch.no_grad():
         ref_outputs, ref_inputs = _record(model, names, args, kwargs, device_type, None)
-        low_outputs, low_inputs = _record(model, names, args, kwargs, device_type, dtype)
+        try:
+            low_outputs, low_inputs = _record(model, names, args, kwargs, device_type, dtype)
+        except RuntimeError as err:
+            raise RuntimeError(f"the model fails under autocast({device_type!r}, "
+                               f"dtype={dtype}): {err}") from err
         results = []
         for module, name in names.items():
             if name not in ref_outputs or name not in low_outputs:

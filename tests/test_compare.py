@@ -110,6 +110,26 @@ def test_keyword_and_positional_inputs(net_and_input):
     assert compare(model, (x,)).module("head").output.numel == 2 * 8 * 4
 
 
+def test_shared_modules_dict_outputs_and_integer_inputs():
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.shared = nn.Linear(16, 16)
+
+        def forward(self, ids):
+            return {"logits": self.shared(self.shared(self.embed(ids))), "length": ids.shape[1]}
+
+    torch.manual_seed(0)
+    result = compare(Tagger(), {"ids": torch.randint(0, 50, (2, 5))})
+    assert result.module("shared").calls == 2
+    assert result.module("shared").output.numel == 2 * 2 * 5 * 16  # both calls compared
+    assert result.module("embed").output.rel_l2 == 0  # a table lookup loses nothing
+    assert result.output().numel == 2 * 5 * 16  # only the float entry of the dict
+    nothing = compare(nn.Identity(), torch.arange(3))
+    assert nothing.modules == [] and "nothing to compare" in str(nothing)
+
+
 def test_bad_arguments_are_clear(net_and_input):
     model, x = net_and_input
     with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
