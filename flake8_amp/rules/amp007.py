@@ -18,7 +18,6 @@ from astroid import nodes
 
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
 from flake8_amp.analysis.names import is_self, last_part
-from flake8_amp.analysis.regions import BF16 as REGION_BF16
 from flake8_amp.analysis.scaler import method_call
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
@@ -34,6 +33,17 @@ FILL_METHODS = {
 }
 #: A literal that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``2 ** 32``.
 BIG_LITERAL = re.compile(r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)|\d{6}|\b[6-9]\d{4}\b|\*\*\s*\d\d")
+CONTAINER_NODES = (
+    nodes.List,
+    nodes.Dict,
+    nodes.Set,
+    nodes.ListComp,
+    nodes.DictComp,
+    nodes.SetComp,
+    nodes.Tuple,
+)
+BUILTIN_CONTAINERS = frozenset({"list", "dict", "set"})
+CONTAINER_FACTORIES = frozenset({"collections.defaultdict", "collections.OrderedDict"})
 _MAX_DEPTH = 6
 _MAX_EXPONENT = 1024
 
@@ -133,9 +143,35 @@ class Fp16OverflowLiteral(Check):
         if value is None or not math.isfinite(value) or abs(value) <= FP16_MAX:
             return
         for target in node.targets:
-            if isinstance(target, nodes.Subscript) and self._can_be_fp16(node, target.value, None):
+            if not isinstance(target, nodes.Subscript) or self._python_container(target.value):
+                continue
+            if self._can_be_fp16(node, target.value, None):
                 self.report(node, value=f"{value:g}", op="an indexed assignment")
                 return
+
+    def _python_container(self, expr: nodes.NodeNG) -> bool:
+        """``expr`` is bound to a list, dict, set or numpy array, not a tensor."""
+        names = self.context.names
+        if isinstance(expr, nodes.Name):
+            values = names.assigned_values(expr) or []
+        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            values = names.self_attribute_values(expr)
+        else:
+            return False
+        for value in values:
+            if isinstance(value, nodes.BinOp):  # ``[0.0] * n``
+                value = value.left if isinstance(value.left, CONTAINER_NODES) else value.right
+            if isinstance(value, CONTAINER_NODES):
+                return True
+            if not isinstance(value, nodes.Call):
+                continue
+            func = value.func
+            if isinstance(func, nodes.Name) and func.name in BUILTIN_CONTAINERS:
+                return not names.bindings(func)
+            qualname = names.callee_qualname(value) or ""
+            if qualname in CONTAINER_FACTORIES or qualname.startswith("numpy."):
+                return True
+        return False
 
     def _fill(
         self, node: nodes.Call
@@ -169,10 +205,10 @@ class Fp16OverflowLiteral(Check):
                 dtype,
             )
         if qualname == "torch.where" and len(node.args) == 3:
-            branches = node.args[1:]
-            for value, other in (branches, reversed(branches)):
-                if numeric_constant(value, self.context.names) is not None:
-                    return "torch.where", other, value, None
+            numbers = [numeric_constant(arg, self.context.names) for arg in node.args[1:]]
+            if numbers.count(None) == 1:  # two numbers make a default-dtype (fp32) tensor
+                value, other = node.args[1:] if numbers[0] is not None else node.args[:0:-1]
+                return "torch.where", other, value, None
         return None
 
     def _can_be_fp16(
@@ -197,7 +233,7 @@ class Fp16OverflowLiteral(Check):
             return False
         region = self.context.regions.autocast_at(node)
         if region is not None:
-            return region.dtype != REGION_BF16
+            return region.dtype != BF16
         return _in_model_code(node)
 
 

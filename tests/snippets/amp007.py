@@ -193,3 +193,13 @@ def numpy_arrays(mask):
 def disabled_island(scores, mask):
     with torch.autocast("cuda", enabled=False):
         return scores.float().masked_fill(mask, -1e9)
+
+
+class PythonContainers(nn.Module):
+    def forward(self, scores, keys):
+        best = {}
+        distances = [0.0] * len(keys)
+        for i, key in enumerate(keys):
+            best[key] = -1e9
+            distances[i] = 1e10
+        return torch.where(scores > 0, 1e9, 0.0), best, distances
