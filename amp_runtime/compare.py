@@ -77,12 +77,12 @@ class ErrorStats:
         nonfinite = bool((finite_ref & ~torch.isfinite(approx)).any())
         ref = torch.where(finite_ref, ref, 0.0)
         approx = torch.where(finite_ref & torch.isfinite(approx), approx, 0.0)
+        if not ref.numel():
+            return cls(0, 0.0, 0.0, 0.0, 1.0, 0.0, nonfinite)
         diff = (approx - ref).abs()
         magnitude = ref.abs()
         # Exact zeros in the reference would make every ratio infinite; measure those
         # against a floor one millionth of the largest reference value instead.
-        if not ref.numel():
-            return cls(0, 0.0, 0.0, 0.0, 1.0, 0.0, nonfinite)
         floor = max(float(magnitude.max()) * 1e-6, torch.finfo(torch.float32).tiny)
         rel = diff / magnitude.clamp_min(floor)
         ref_norm = float(ref.norm())
@@ -90,8 +90,8 @@ class ErrorStats:
         denom = ref_norm * float(approx.norm())
         return cls(
             numel=ref.numel(),
-            max_abs=float(diff.max()) if ref.numel() else 0.0,
-            max_rel=float(rel.max()) if ref.numel() else 0.0,
+            max_abs=float(diff.max()),
+            max_rel=float(rel.max()),
             rel_l2=diff_norm / ref_norm if ref_norm else (0.0 if diff_norm == 0 else math.inf),
             cosine=float((ref * approx).sum()) / denom if denom else float(diff_norm == 0),
             mismatch_fraction=float((rel > MISMATCH_RELATIVE).double().mean()),
@@ -237,6 +237,8 @@ def compare(
         raise ValueError(f"autocast is not available for device type {device_type!r}")
     if tolerance is None:
         tolerance = TOLERANCE_EPS * torch.finfo(dtype).eps
+    elif not tolerance > 0:
+        raise ValueError(f"tolerance must be a positive relative L2 error, got {tolerance}")
 
     names = {module: (name or _ROOT) for name, module in model.named_modules()}
     cuda = {t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"}

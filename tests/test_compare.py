@@ -134,5 +134,7 @@ def test_bad_arguments_are_clear(net_and_input):
     model, x = net_and_input
     with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
         compare(model, x, dtype=torch.float32)
+    with pytest.raises(ValueError, match="tolerance must be a positive"):
+        compare(model, x, tolerance=0)
     with pytest.raises(TypeError, match="needs an nn.Module"):
         compare(lambda t: t, x)
