@@ -46,7 +46,7 @@ class StepBypassesScaler(Check):
         flow = scaler_analysis(self.context).flow(node)
         if flow.is_scaler(receiver):
             self._check_update(node, receiver, flow)
-        elif len(node.args) <= 1 and _is_optimizer(receiver):
+        elif len(node.args) <= 1 and self._is_optimizer(receiver):
             self._check_plain_step(node, receiver, flow)
 
     def _check_plain_step(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
@@ -54,13 +54,26 @@ class StepBypassesScaler(Check):
         if not phases & {SCALED, UNSCALED} or HELPED in phases or flow.in_no_scaler_arm(node):
             return
         key = expression_key(receiver)
-        if key is not None and flow.stepped_before(node, key) or self._wraps_scaler(receiver):
+        if (key is not None and flow.stepped_before(node, key)) or self._wraps_scaler(receiver):
             return
         self.report(
             node,
             detail=f"{receiver.as_string()}.step() applies gradients scaled by GradScaler "
             "(inf/NaN steps are not skipped)",
         )
+
+    def _is_optimizer(self, receiver: nodes.NodeNG) -> bool:
+        """Built by a ``torch.optim`` class, or named like an optimizer (not a scheduler)."""
+        key: Optional[str] = expression_key(receiver)
+        if key is None:
+            return False
+        built_by = self.context.names.instance_class(receiver) or ""
+        if built_by.startswith("torch.optim.") and "lr_scheduler" not in built_by:
+            return True
+        words = name_words(key.rsplit(".", 1)[-1])
+        if NOT_OPTIMIZER_WORDS.intersection(words):
+            return False
+        return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)
 
     def _wraps_scaler(self, optimizer: nodes.NodeNG) -> bool:
         """The optimizer was built around the scaler (``AmpOptimizer(opt, scaler)``)."""
@@ -89,13 +102,3 @@ class StepBypassesScaler(Check):
             detail=f"{scaler}.step() with no {scaler}.update() after it: "
             "the loss scale never adapts",
         )
-
-
-def _is_optimizer(receiver: nodes.NodeNG) -> bool:
-    key: Optional[str] = expression_key(receiver)
-    if key is None:
-        return False
-    words = name_words(key.rsplit(".", 1)[-1])
-    if NOT_OPTIMIZER_WORDS.intersection(words):
-        return False
-    return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)

@@ -367,3 +367,11 @@ def caller_updates(model, batch, optimizer, scaler):
     scaler.scale(loss).backward()
     step_helper_updated_by_caller(optimizer, scaler)
     scaler.update()
+
+
+def optimizer_known_by_its_class(model, batch, scaler):
+    adam = torch.optim.Adam(model.parameters())
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    adam.step()  # AMP006
