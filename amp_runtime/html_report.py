@@ -32,6 +32,8 @@ METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.html"
 #: The events table lists at most this many events (the summary counts them all).
 MAX_EVENT_ROWS = 1000
+#: The heat map labels at most this many layers (and grows no taller).
+MAX_HEATMAP_LABELS = 40
 #: The underflow plot shows the layers with the highest peak underflow fraction.
 MAX_UNDERFLOW_LINES = 8
 #: Codes that mean "a value overflowed" for the diagnosis.
@@ -316,10 +318,12 @@ def _draw_layer_heatmap(run, axes, figure) -> str:
         return "no per-layer gradient statistics were recorded"
     values = [[math.log10(v) if v and v > 0 and math.isfinite(v) else math.nan for v in row]
               for row in matrix]
-    figure.set_size_inches(10, max(2.5, 0.9 + 0.22 * len(names)))
+    rows_shown = min(len(names), MAX_HEATMAP_LABELS)
+    figure.set_size_inches(10, max(2.5, 0.9 + 0.22 * rows_shown))
     image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))
-    axes.set_yticks(range(len(names)), labels=names, fontsize=7)
+    every = math.ceil(len(names) / MAX_HEATMAP_LABELS)  # label every n-th layer of a deep model
+    axes.set_yticks(range(0, len(names), every), labels=names[::every], fontsize=7)
     axes.set_xlabel("step")
     figure.colorbar(image, ax=axes, label="log10 grad norm")
     axes.grid(False)
