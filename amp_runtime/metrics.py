@@ -3,16 +3,16 @@
 Schema (one line per step, in step order)::
 
     {"step": int,                  # 0-based step index
-     "loss": float | null,         # mean of the losses backward started from in this step (unscaled)
+     "loss": float | null,         # mean loss backward started from in this step, unscaled
      "loss_scale": float | null,   # the GradScaler's scale used in this step; null without a scaler
      "skipped": bool,              # the scaler skipped the optimizer step (inf/NaN gradients)
-     "grad_norm": float | null,    # total unscaled gradient norm; null when not measured or not finite
+     "grad_norm": float | null,    # total unscaled gradient norm; null if not measured/finite
      "layers": {"<parameter name>": {"max": float, "norm": float, "zero_fraction": float,
                                      "underflow_fraction": float | null}}}
 
-``layers`` (unscaled per-parameter max |g|, L2 norm, fraction of exact zeros, fraction of nonzero values
-that flush to zero in fp16 at the loss scale) is present on steps where per-layer statistics were
-collected: every ``Thresholds.metrics_every`` steps that were not skipped.
+``layers`` (unscaled per-parameter max |g|, L2 norm, fraction of exact zeros, fraction of
+nonzero values that flush to zero in fp16 at the loss scale) is present on steps where per-layer
+statistics were collected: every ``Thresholds.metrics_every`` steps that were not skipped.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, backward_root, scale_factor_of
 
 FILENAME = "metrics.jsonl"
+#: The per-step values every line carries (``layers`` comes on top when collected).
+SCALARS = ("step", "loss", "loss_scale", "skipped", "grad_norm")
 
 
 def _finite_or_none(value):
@@ -69,12 +71,12 @@ class MetricsLog(Monitor):
         record["loss"] = None
         if losses:
             with torch._C.DisableTorchFunction():
-                record["loss"] = torch.stack([l.reshape(()).cpu() for l in losses]).mean().item()
+                record["loss"] = torch.stack([v.reshape(()).cpu() for v in losses]).mean().item()
 
     def write(self, step: int, record: Dict[str, Any]) -> None:
         if self._file is None:
             return
-        line = {key: record.get(key) for key in ("step", "loss", "loss_scale", "skipped", "grad_norm")}
+        line = {key: record.get(key) for key in SCALARS}
         line["skipped"] = bool(line["skipped"])
         if "layers" in record:
             line["layers"] = record["layers"]

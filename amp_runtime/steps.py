@@ -2,15 +2,15 @@
 
 * A loop with a GradScaler: at ``scaler.update()`` (seen as ``torch._amp_update_scale_`` through the
   guard's mode). Skipped steps count: the update runs whether or not the optimizer stepped.
-* Otherwise at ``optimizer.step()`` (global optimizer step post-hook). With several optimizers the step
-  ends after the last one of the cycle, learned in the first iteration: an optimizer stepping for the
-  first time right after another one (no backward in between) joins that step; one stepping for the first
-  time after its own backward (e.g. a GAN's generator) makes the first iteration count as two steps. An
-  optimizer stepping again before the cycle completed also ends the step.
+* Otherwise at ``optimizer.step()`` (global optimizer step post-hook). With several optimizers the
+  step ends after the last one of the cycle, learned in the first iteration: an optimizer stepping
+  for the first time right after another one (no backward in between) joins that step; one stepping
+  for the first time after its own backward (e.g. a GAN's generator) makes the first iteration count
+  as two steps. An optimizer stepping again before the cycle completed also ends the step.
 * ``guard.step()`` for loops with neither; once it is called, automatic detection stays off.
 
-Gradient accumulation needs nothing special: micro-batches only run backward, and steps end where the
-optimizer or the scaler acts.
+Gradient accumulation needs nothing special: micro-batches only run backward, and steps end where
+the optimizer or the scaler acts.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from typing import Optional
 
 import torch
 from torch.amp.grad_scaler import OptState
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook, register_optimizer_step_pre_hook,
+)
 
 from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, inside_scaler_step, watch_of
@@ -52,7 +54,8 @@ class StepDetector(Monitor):
 
     def _automatic(self) -> bool:
         guard = self.guard
-        return not guard.manual_steps and not guard.suspended and threading.get_ident() == guard._thread
+        own_thread = threading.get_ident() == guard._thread
+        return own_thread and not guard.manual_steps and not guard.suspended
 
     def _end_step(self, by_optimizer: bool = False) -> None:
         self._stepped.clear()
@@ -83,7 +86,7 @@ class StepDetector(Monitor):
         self._stepped.add(id(optimizer))
         if self._last_in_cycle is None or self._last_in_cycle() is not optimizer:
             return
-        if self._joined_ended_step:  # part of the step that has just ended: the cycle ends here from now on
+        if self._joined_ended_step:  # belongs to the step just ended; the cycle ends here from now
             self._joined_ended_step = False
             self._stepped.clear()
         else:

@@ -59,12 +59,13 @@ def test_cheap_stats_are_the_norms_only():
 
 @pytest.mark.parametrize("detailed", [True, False])
 def test_nonfinite_gradients_propagate_into_the_norm(detailed):
-    stats = gradient_stats([torch.tensor([1.0, math.nan]), torch.tensor([math.inf, 0.0]), torch.ones(4)], detailed=detailed)
+    grads = [torch.tensor([1.0, math.nan]), torch.tensor([math.inf, 0.0]), torch.ones(4)]
+    stats = gradient_stats(grads, detailed=detailed)
     assert math.isnan(stats[0, 0]) and math.isinf(stats[0, 1]) and stats[0, 2] == 2.0
 
 
 def sample(named_grads, scale=None, scaled=False):
-    """A GradSample as the monitor takes it; ``scaled``: the gradients are still multiplied by ``scale``."""
+    """A GradSample as the monitor takes it; ``scaled``: the gradients are still times ``scale``."""
     grads = list(named_grads.values())
     scale_tensor = None if scale is None else torch.tensor(scale)
     flush_factor = torch.tensor(1.0) if scaled else scale_tensor
@@ -87,7 +88,8 @@ def test_read_divides_still_scaled_gradients_by_the_scale():
 def test_judge_explosion_severity_by_unscaled_total_norm():
     limits = Thresholds()
     for total, severity in ((50.0, None), (150.0, "P1"), (5000.0, "P0")):
-        layers, _ = read_samples([sample({"a.weight": torch.tensor([total * 0.6]), "b.weight": torch.tensor([total * 0.8])})])
+        grads = {"a.weight": torch.tensor([total * 0.6]), "b.weight": torch.tensor([total * 0.8])}
+        layers, _ = read_samples([sample(grads)])
         found = [kw for code, kw in judge_gradients(layers, None, limits) if code == "AMP104"]
         if severity is None:
             assert not found
@@ -118,16 +120,19 @@ def test_judge_total_vanishing():
 def test_judge_underflow_counts_only_nonzero_values_that_would_flush():
     tiny = torch.full((90,), 1e-13)  # times 1024 is ~1e-10: flushes in fp16
     healthy = torch.full((900,), 1e-2)
-    grads = {"a.weight": torch.cat([tiny, healthy]), "b.weight": torch.cat([torch.zeros(500), healthy])}
+    grads = {"a.weight": torch.cat([tiny, healthy]),
+             "b.weight": torch.cat([torch.zeros(500), healthy])}
     layers, scale = read_samples([sample(grads, scale=1024.0)])
     found = [kw for code, kw in judge_gradients(layers, scale, Thresholds()) if code == "AMP106"]
     assert [kw["layer"] for kw in found] == ["a.weight"]
     assert found[0]["fraction"] == pytest.approx(90 / 990) and found[0]["scale"] == 1024.0
-    assert layers[1].zero_fraction == pytest.approx(500 / 1400) and layers[1].underflow_fraction == 0.0
+    assert layers[1].zero_fraction == pytest.approx(500 / 1400)
+    assert layers[1].underflow_fraction == 0.0
 
 
 def test_judge_nonfinite_grad_hides_norm_findings():
-    layers, _ = read_samples([sample({"enc.weight": torch.tensor([math.inf, 1.0]), "dec.weight": torch.ones(2)})])
+    grads = {"enc.weight": torch.tensor([math.inf, 1.0]), "dec.weight": torch.ones(2)}
+    layers, _ = read_samples([sample(grads)])
     findings = judge_gradients(layers, None, Thresholds())
     assert [code for code, _ in findings] == ["AMP103"]
     assert findings[0][1]["module"] == "enc"
@@ -150,8 +155,8 @@ def mlp(depth, width, activation=torch.nn.Sigmoid, seed=0):
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
-def fp16_scaled_steps(model, steps, lr=0.01, loss_factor=1.0, batch=32, init_scale=2.0 ** 16, hook=None):
-    """A standard CPU fp16 autocast + GradScaler loop; ``hook(step)`` may change things before each step."""
+def fp16_scaled_steps(model, steps, lr=0.01, batch=32, init_scale=2.0 ** 16, hook=None):
+    """A standard CPU fp16 autocast + GradScaler loop; ``hook(step, opt)`` runs before each step."""
     width = model[0].in_features
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
@@ -161,7 +166,7 @@ def fp16_scaled_steps(model, steps, lr=0.01, loss_factor=1.0, batch=32, init_sca
         x = torch.randn(batch, width)
         with torch.autocast("cpu", dtype=torch.float16):
             out = model(x)
-        loss = out.float().pow(2).mean() * loss_factor
+        loss = out.float().pow(2).mean()
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -212,7 +217,8 @@ def test_learning_rate_spike_reports_explosion_at_that_step_with_the_unscaled_no
     (event,) = events
     assert event.step == spike_at + 1  # the weights the spike produced explode the next gradients
     assert event.severity == "P0"
-    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    metrics = {m["step"]: m for m in map(json.loads, lines)}
     assert metrics[event.step]["loss_scale"] == 16.0 and not metrics[event.step]["skipped"]
     assert event.details["total_norm"] == pytest.approx(metrics[event.step]["grad_norm"])
     assert metrics[event.step]["grad_norm"] > 1000 and metrics[spike_at]["grad_norm"] < 10
@@ -227,7 +233,7 @@ def test_inf_in_backward_without_a_scaler_is_reported_at_that_step():
         for step in range(4):
             out = model(torch.randn(8, 4))
             if step == 2:
-                out = out * torch.tensor(float("inf"))  # the gradient of the weights becomes inf/NaN
+                out = out * torch.tensor(float("inf"))  # the weights' gradient becomes inf/NaN
             out.sum().backward()
             opt.step()
             opt.zero_grad()
@@ -247,7 +253,8 @@ def test_healthy_fp16_scaled_run_has_no_gradient_or_scale_events(tmp_path):
     record = json.loads(lines[-1])
     assert set(record) == {"step", "loss", "loss_scale", "skipped", "grad_norm", "layers"}
     assert record["loss_scale"] == scaler.get_scale() and record["skipped"] is False
-    assert set(record["layers"]["0.weight"]) == {"max", "norm", "zero_fraction", "underflow_fraction"}
+    layer_keys = {"max", "norm", "zero_fraction", "underflow_fraction"}
+    assert set(record["layers"]["0.weight"]) == layer_keys
 
 
 def test_gradient_accumulation_is_judged_once_per_step(tmp_path):
@@ -255,7 +262,8 @@ def test_gradient_accumulation_is_judged_once_per_step(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
     micro_losses = []
-    with amp_runtime.guard(policy="record", log_dir=tmp_path, thresholds=amp_runtime.Thresholds(grad_explosion=1e-3, grad_explosion_p0=1e9)) as g:
+    limits = amp_runtime.Thresholds(grad_explosion=1e-3, grad_explosion_p0=1e9)
+    with amp_runtime.guard(policy="record", log_dir=tmp_path, thresholds=limits) as g:
         for step in range(3):
             for micro in range(4):
                 with torch.autocast("cpu", dtype=torch.float16):
@@ -266,8 +274,10 @@ def test_gradient_accumulation_is_judged_once_per_step(tmp_path):
             scaler.update()
             opt.zero_grad()
     assert g.step_index == 3
-    # every step's gradient crosses the (lowered) explosion limit: one event per step, not per micro-batch
-    assert [e.step for e in g.report.by_code("AMP104")] == [0]  # reported when it starts, not repeated
+    # every step's gradient crosses the (lowered) explosion limit: one event per step, not per
+    # micro-batch
+    # reported when it starts, not repeated while it lasts
+    assert [e.step for e in g.report.by_code("AMP104")] == [0]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert metrics[0]["loss"] == pytest.approx(sum(micro_losses[:4]) / 4, rel=1e-3)
@@ -278,7 +288,7 @@ def test_norm_is_taken_before_clipping_reusing_clip_grad_norm():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     clip_norms, recorded = [], []
-    limits = amp_runtime.Thresholds(grad_detail_every=4)  # steps 0 and 4 detailed, the others norms only
+    limits = amp_runtime.Thresholds(grad_detail_every=4)  # steps 0 and 4 detailed, others norms
     with amp_runtime.guard(policy="record", thresholds=limits) as g:
         g.step_listeners.append(lambda step, record: recorded.append(record["grad_norm"]))
         for _ in range(6):
@@ -286,12 +296,14 @@ def test_norm_is_taken_before_clipping_reusing_clip_grad_norm():
                 loss = model(torch.randn(32, 16)).float().pow(2).mean()
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
-            clip_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3).item())
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+            clip_norms.append(total.item())
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
     assert all(norm > 1e-2 for norm in clip_norms)  # every step was clipped hard
-    assert recorded == pytest.approx(clip_norms, rel=1e-5)  # judged before clipping, as clip_grad_norm_ saw them
+    # judged before clipping, as clip_grad_norm_ saw them
+    assert recorded == pytest.approx(clip_norms, rel=1e-5)
 
 
 @pytest.mark.parametrize("eps, dtype, reported", [

@@ -1,4 +1,4 @@
-"""Loss-scale history (AMP107, AMP108, AMP109): the judgement on its own and through a guarded fp16 run."""
+"""Loss-scale history (AMP107-AMP109): the judgement on its own and in guarded fp16 runs."""
 import pytest
 import torch
 
@@ -71,7 +71,8 @@ def test_overflow_rate_reported_when_skips_recur():
 @pytest.mark.parametrize("rate, reported", [(0.25, False), (0.1, True)])
 def test_overflow_rate_threshold_and_window_are_configurable(rate, reported):
     limits = Thresholds(overflow_rate=rate, overflow_window=10)
-    sequence = [(1024.0, False)] + [(1024.0, i % 5 == 0) for i in range(1, 30)]  # 2 skips in every 10 steps
+    # two skips in every ten steps
+    sequence = [(1024.0, False)] + [(1024.0, i % 5 == 0) for i in range(1, 30)]
     per_step = run_history(sequence, init=1024.0, limits=limits)
     assert any("AMP109" in codes(f) for f in per_step) is reported
 

@@ -54,7 +54,8 @@ def test_disabled_scaler_falls_back_to_optimizer_steps():
 
 def test_two_optimizers_stepping_together_count_one_step_per_iteration():
     encoder, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-    opts = [torch.optim.SGD(encoder.parameters(), lr=0.01), torch.optim.Adam(head.parameters(), lr=0.01)]
+    opts = [torch.optim.SGD(encoder.parameters(), lr=0.01),
+            torch.optim.Adam(head.parameters(), lr=0.01)]
     indices = []
     with amp_runtime.guard(policy="record") as g:
         for _ in range(4):
@@ -80,7 +81,8 @@ def test_alternating_optimizers_with_their_own_backward_settle_after_the_first_i
             opt_g.step()
             opt_g.zero_grad()
             indices.append(g.step_index)
-    assert indices == [2, 3, 4, 5]  # the first iteration counts each optimizer once, then one per iteration
+    # the first iteration counts each optimizer once, then one step per iteration
+    assert indices == [2, 3, 4, 5]
 
 
 def test_manual_steps_switch_automatic_detection_off():

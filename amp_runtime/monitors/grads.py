@@ -2,20 +2,20 @@
 
 Where the gradients are read:
 
-* with a GradScaler, right after the scaler unscaled them (``torch._amp_foreach_non_finite_check_and_unscale_``
-  seen through the guard's mode): the values are unscaled, and the scaler's own ``found_inf`` already says
-  whether the step will be skipped, so no separate finiteness pass is needed;
-* otherwise in a global optimizer step pre-hook (the gradients the optimizer is about to apply; if a scaler
-  scaled them and nobody unscaled them, they are divided by the scale before judging);
+* with a GradScaler, right after the scaler unscaled them
+  (``torch._amp_foreach_non_finite_check_and_unscale_`` seen through the guard's mode): the values
+  are unscaled, and the scaler's own ``found_inf`` already says whether the step will be skipped, so
+  no separate finiteness pass is needed;
+* otherwise in a global optimizer step pre-hook (the gradients the optimizer is about to apply; if a
+  scaler scaled them and nobody unscaled them, they are divided by the scale before judging);
 * for loops with neither, at ``guard.step()`` over the ``model=`` parameters.
 
 The statistics of one set of gradients are ``torch._foreach_*`` kernels (fused over all parameters)
 producing one small tensor: every step only the per-parameter L2 norms (one pass: non-finite values,
 total norm, vanishing layers), every ``Thresholds.grad_detail_every`` steps and on logged steps also
-max |g|, nonzero counts and fp16 underflow counts. They stay on the device until the step ends, where all
-of a step's samples are read with one host transfer. Gradient accumulation
-is judged once per step because samples are taken where the optimizer consumes the gradients, not at
-backward.
+max |g|, nonzero counts and fp16 underflow counts. They stay on the device until the step ends,
+where all of a step's samples are read with one host transfer. Gradient accumulation is judged once
+per step because samples are taken where the optimizer consumes the gradients, not at backward.
 """
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
                    detailed: bool = True) -> torch.Tensor:
     """Per-gradient statistics of same-device ``grads`` as one float32 tensor, without a host sync.
 
-    Row ``NORM``: the L2 norm (NaN/Inf propagate), one fused pass. When ``detailed``, also ``MAX`` (max |g|),
-    ``NONZERO`` (number of nonzero elements) and ``SURVIVES``: given ``loss_scale`` — the factor the
-    gradients would be multiplied by in an fp16 backward, a device tensor — the number of elements whose
-    value times ``loss_scale`` survives the cast to float16 (NaN without a scale). Shape ``(4, n)`` when
-    detailed, else ``(1, n)``.
+    Row ``NORM``: the L2 norm (NaN/Inf propagate), one fused pass. When ``detailed``, also ``MAX``
+    (max |g|), ``NONZERO`` (number of nonzero elements) and ``SURVIVES``: given ``loss_scale`` — the
+    factor the gradients would be multiplied by in an fp16 backward, a device tensor — the number of
+    elements whose value times ``loss_scale`` survives the cast to float16 (NaN without a scale).
+    Shape ``(4, n)`` when detailed, else ``(1, n)``.
     """
     grads = list(grads)
     with torch.no_grad():
@@ -64,8 +64,9 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
             if loss_scale is None:
                 columns += [torch.full((), math.nan, device=grads[0].device)] * len(grads)
             else:
-                # |g * scale| - limit > 0  <=>  the scaled value does not flush; counted by an L0 norm.
-                magnitude = torch._foreach_mul([g.float() for g in grads], loss_scale.to(grads[0].device))
+                # |g * scale| - limit > 0 <=> the scaled value survives; an L0 norm counts them
+                scale = loss_scale.to(grads[0].device)
+                magnitude = torch._foreach_mul([g.float() for g in grads], scale)
                 torch._foreach_abs_(magnitude)
                 torch._foreach_sub_(magnitude, FP16_FLUSH_LIMIT)
                 torch._foreach_clamp_min_(magnitude, 0.0)
@@ -97,7 +98,7 @@ class LayerGrad:
     max: Optional[float]
     #: Fraction of exact zeros.
     zero_fraction: Optional[float]
-    #: Fraction of the nonzero elements that flush to zero in fp16 at the loss scale (None without one).
+    #: Fraction of the nonzero elements that flush to zero in fp16 at the loss scale.
     underflow_fraction: Optional[float]
 
     def to_json(self) -> Dict[str, Optional[float]]:
@@ -110,12 +111,15 @@ class LayerGrad:
 
 
 def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Optional[float]]:
-    """All of a step's samples as layer statistics (one host read) and the loss scale they were judged at."""
+    """A step's samples as layer statistics (one host read) and the loss scale they had."""
     if not samples:
         return [], None
     extra = [s.scaled_by if s.scaled_by is not None else torch.full((), 1.0) for s in samples]
-    extra += [s.loss_scale if s.loss_scale is not None else torch.full((), math.nan) for s in samples]
-    host = torch.cat([s.stats.flatten().cpu() for s in samples] + [e.detach().float().reshape(1).cpu() for e in extra]).tolist()
+    extra += [s.loss_scale if s.loss_scale is not None else torch.full((), math.nan)
+              for s in samples]
+    flat = [s.stats.flatten().cpu() for s in samples]
+    flat += [e.detach().float().reshape(1).cpu() for e in extra]
+    host = torch.cat(flat).tolist()
     factors = host[-2 * len(samples):-len(samples)]
     scales = host[-len(samples):]
     layers: List[LayerGrad] = []
@@ -127,7 +131,8 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
         for i, (name, numel) in enumerate(zip(sample.names, sample.numels)):
             largest = zero_fraction = underflow = None
             if len(rows) > 1:
-                largest, nonzero, survives = rows[MAX][i] / factor, rows[NONZERO][i], rows[SURVIVES][i]
+                largest = rows[MAX][i] / factor
+                nonzero, survives = rows[NONZERO][i], rows[SURVIVES][i]
                 zero_fraction = 1.0 - nonzero / numel if numel else 0.0
                 if not math.isnan(survives):
                     underflow = (nonzero - survives) / nonzero if nonzero else 0.0
@@ -150,18 +155,23 @@ def layer_of(param_name: str) -> str:
 
 def _listing(names: Sequence[str]) -> str:
     shown = ", ".join(names[:_NAMES_IN_MESSAGE])
-    return shown + (f" and {len(names) - _NAMES_IN_MESSAGE} more" if len(names) > _NAMES_IN_MESSAGE else "")
+    hidden = len(names) - _NAMES_IN_MESSAGE
+    return shown + (f" and {hidden} more" if hidden > 0 else "")
 
 
-def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], limits: Thresholds) -> List[Tuple[str, dict]]:
-    """The findings of one step's gradients as ``(code, emit keyword arguments)``, layers earliest first."""
+def judge_gradients(
+    layers: Sequence[LayerGrad], loss_scale: Optional[float], limits: Thresholds
+) -> List[Tuple[str, dict]]:
+    """One step's findings as ``(code, emit keyword arguments)``, layers earliest first."""
     if not layers:
         return []
     findings: List[Tuple[str, dict]] = []
     nonfinite = [layer_of(g.name) for g in layers if not math.isfinite(g.norm)]
     if nonfinite:
         names = list(dict.fromkeys(nonfinite))
-        findings.append(("AMP103", dict(where=_listing(names), module=names[0], details={"layers": names})))
+        findings.append(("AMP103", dict(
+            where=_listing(names), module=names[0], details={"layers": names},
+        )))
         return findings  # norms of non-finite gradients mean nothing
 
     total = math.sqrt(sum(g.norm ** 2 for g in layers))
@@ -180,12 +190,13 @@ def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], li
             details={"total_norm": total},
         )))
     else:
-        # A layer's L2 norm bounds every |g| in it: norm < limit means max |g| < limit, with no extra pass.
+        # A layer's L2 norm bounds every |g| in it: norm < limit implies max |g| < limit.
         layer_norm: Dict[str, float] = {}
         for g in layers:
             key = layer_of(g.name)
             layer_norm[key] = math.hypot(layer_norm.get(key, 0.0), g.norm)
-        vanished = [name for name, value in layer_norm.items() if value < limits.grad_vanishing_layer]
+        limit = limits.grad_vanishing_layer
+        vanished = [name for name, value in layer_norm.items() if value < limit]
         if vanished:
             findings.append(("AMP105", dict(
                 detail=f"gradients vanished (max |g| < {limits.grad_vanishing_layer:g}) in "
@@ -196,10 +207,12 @@ def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], li
 
     if loss_scale is not None:
         for g in layers:
-            if g.underflow_fraction is not None and g.underflow_fraction > limits.grad_underflow_fraction:
+            fraction = g.underflow_fraction
+            if fraction is not None and fraction > limits.grad_underflow_fraction:
                 findings.append(("AMP106", dict(
-                    fraction=g.underflow_fraction, layer=g.name, scale=loss_scale, module=layer_of(g.name),
-                    details={"parameter": g.name, "loss_scale": loss_scale, "zero_fraction": g.zero_fraction},
+                    fraction=fraction, layer=g.name, scale=loss_scale, module=layer_of(g.name),
+                    details={"parameter": g.name, "loss_scale": loss_scale,
+                             "zero_fraction": g.zero_fraction},
                 )))
     return findings
 
@@ -207,8 +220,9 @@ def judge_gradients(layers: Sequence[LayerGrad], loss_scale: Optional[float], li
 class ParameterNames:
     """Names parameters ``module.path.weight`` for reports.
 
-    From ``guard(model=...)`` when given; otherwise from the root modules alive when an unnamed parameter is
-    first met (one heap search per parameter at most, never per step); else ``param<i>[shape]``.
+    From ``guard(model=...)`` when given; otherwise from the root modules alive when an unnamed
+    parameter is first met (one heap search per parameter at most, never per step); else
+    ``param<i>[shape]``.
     """
 
     def __init__(self, model: Optional[torch.nn.Module]):
@@ -244,10 +258,10 @@ class GradHealth(Monitor):
         super().__init__()
         self.names = ParameterNames(guard.model)
         self.pending: List[GradSample] = []
-        #: The scaler's found_inf flags of this step's samples: any nonzero means the step is skipped.
+        #: The scaler's found_inf flags of this step: any nonzero means the step is skipped.
         self.found_inf: List[torch.Tensor] = []
         self.sampled_optimizers: set = set()
-        #: Optimizers whose unscaled gradients are sampled at their step (id -> (scaled_by, loss_scale)).
+        #: Optimizers whose gradients are sampled at their step: id -> (scaled_by, loss_scale).
         self.deferred: Dict[int, tuple] = {}
         #: Per-gradient L2 norms ``clip_grad_norm_`` computed after the unscale (id(grad) -> norm).
         self.clip_norms: Dict[int, torch.Tensor] = {}
@@ -275,7 +289,10 @@ class GradHealth(Monitor):
             grads = [p.grad for p in device_params]
             flush_factor = None
             if loss_scale is not None:
-                flush_factor = torch.ones((), device=grads[0].device) if scaled_by is not None else loss_scale
+                # scaled gradients are compared as they are; unscaled ones times the scale
+                flush_factor = loss_scale
+                if scaled_by is not None:
+                    flush_factor = torch.ones((), device=grads[0].device)
             with torch._C.DisableTorchFunction():
                 if detailed:
                     stats = gradient_stats(grads, flush_factor)
@@ -290,7 +307,7 @@ class GradHealth(Monitor):
             ))
 
     def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """The NORM row, taking the norms clip_grad_norm_ already computed and computing only the rest."""
+        """The NORM row: the norms clip_grad_norm_ already computed, computing only the rest."""
         known = [self.clip_norms.get(id(g)) for g in grads]
         missing = [g for g, norm in zip(grads, known) if norm is None]
         if len(missing) == len(grads):
@@ -300,14 +317,15 @@ class GradHealth(Monitor):
         return torch.stack(norms).reshape(1, -1)
 
     def _unscaled(self, func, args, kwargs, out):
-        """GradScaler just checked (and usually unscaled) one optimizer's gradients of one device and dtype."""
+        """GradScaler checked (usually unscaled) an optimizer's gradients of one device/dtype."""
         scaler, optimizer, still_scaled = scaler_call()
         if scaler is None or optimizer is None:
             return
         self.found_inf.append(args[1])
         scaled_by = scaler._scale if still_scaled else None
         if not self._detailed_step():
-            # the norms are taken at the optimizer step, reusing clip_grad_norm_'s when it runs in between
+            # the norms are taken at the optimizer step, reusing clip_grad_norm_'s when it runs in
+            # between
             self.deferred[id(optimizer)] = (scaled_by, scaler._scale)
             return
         grads = {id(g) for g in args[0]}
@@ -321,7 +339,8 @@ class GradHealth(Monitor):
         if not self.deferred or order != 2:
             return
         for tensor, norm in zip(args[0], out):
-            if tensor.dtype in (torch.float32, torch.float64):  # an fp16 norm may overflow where fp32 does not
+            # an fp16 norm may overflow where the fp32 one does not
+            if tensor.dtype in (torch.float32, torch.float64):
                 self.clip_norms[id(tensor)] = norm
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
@@ -336,7 +355,8 @@ class GradHealth(Monitor):
             watch = watch_of(self.guard)
             for state in watch.scaled_pending() if watch else ():
                 if state.stage(optimizer) is OptState.READY:
-                    scaled_by = state.scaler._scale  # stepping on scaled gradients (AMP006): judge them unscaled
+                    # stepping on scaled gradients (AMP006): judge them unscaled
+                    scaled_by = state.scaler._scale
             loss_scale = scaled_by
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._sample(params, scaled_by=scaled_by, loss_scale=loss_scale)
@@ -372,7 +392,8 @@ class GradHealth(Monitor):
         # AMP105-AMP106 conditions last; report them when they start or change, not at every step
         keys = {key for key in self._previous_keys if key[0] == "AMP106" and not detailed}
         for code, kwargs in findings:
-            key = (code, kwargs.get("severity"), kwargs.get("layer"), tuple(kwargs.get("details", {}).get("layers", ())))
+            layers_named = tuple(kwargs.get("details", {}).get("layers", ()))
+            key = (code, kwargs.get("severity"), kwargs.get("layer"), layers_named)
             keys.add(key)
             if key not in self._previous_keys:
                 self.guard.emit(code, op="optimizer.step", **kwargs)
@@ -384,8 +405,8 @@ class GradHealth(Monitor):
 
 
 class OptimizerEpsilon(Monitor):
-    """AMP011's optimizer half: an ``eps`` (Adam, AdamW, RMSprop, ...) that flushes to zero in the fp16
-    parameters' optimizer state it is added to. Checked once per optimizer, at its first step."""
+    """AMP011's optimizer half: an ``eps`` (Adam, AdamW, RMSprop, ...) that flushes to zero in the
+    fp16 optimizer state of fp16 parameters. Checked once per optimizer, at its first step."""
 
     codes = ("AMP011",)
 

@@ -1,10 +1,10 @@
-"""GradScaler state: loss-scale history (AMP107, AMP108, AMP109) and the bookkeeping the scaler rules share.
+"""GradScaler state: loss-scale history (AMP107-AMP109) and the bookkeeping the scaler rules share.
 
-Nothing here wraps or patches a scaler. Scalers are found where they show themselves: the guard's mode
-sees ``torch._amp_foreach_non_finite_check_and_unscale_`` (called by ``unscale_``/``step``) and
-``torch._amp_update_scale_`` (called by ``update``); the ``GradScaler`` running them is the ``self`` of the
-calling frame. A loss scaled by a scaler not seen yet (``scaler.scale(loss).backward()`` in the first
-step) is matched to its scaler by the scale tensor it was multiplied with.
+Nothing here wraps or patches a scaler. Scalers are found where they show themselves: the guard's
+mode sees ``torch._amp_foreach_non_finite_check_and_unscale_`` (called by ``unscale_``/``step``) and
+``torch._amp_update_scale_`` (called by ``update``); the ``GradScaler`` running them is the ``self``
+of the calling frame. A loss scaled by a scaler not seen yet (``scaler.scale(loss).backward()`` in
+the first step) is matched to its scaler by the scale tensor it was multiplied with.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ _FRAMES_TO_SCALER = 4
 
 
 class LossScaleHistory:
-    """Judges one scaler's scale after each ``update()``; findings are ``(code, emit keyword arguments)``.
+    """Judges one scaler's scale after each ``update()``; findings are ``(code, emit kwargs)``.
 
-    A decline episode starts at the first decrease and ends when the scale rises again; each AMP108 reason
-    and AMP107 is reported once per episode. AMP109 judges a full window of steps and ignores the skips of
-    the first steps, while the scale calibrates down from its initial value.
+    A decline episode starts at the first decrease and ends when the scale rises again; each AMP108
+    reason and AMP107 is reported once per episode. AMP109 judges a full window of steps and ignores
+    the skips of the first steps, while the scale calibrates down from its initial value.
     """
 
     def __init__(self, init_scale: float, limits: Thresholds):
@@ -64,7 +64,8 @@ class LossScaleHistory:
         if self.decreases >= limits.scale_decline_consecutive:
             reasons.append(("consecutive", f"{self.decreases} consecutive decreases"))
         if scale < self.init_scale * limits.scale_decline_fraction:
-            reasons.append(("fraction", f"below {limits.scale_decline_fraction:g} of the initial {self.init_scale:g}"))
+            reasons.append(("fraction", f"below {limits.scale_decline_fraction:g} "
+                                        f"of the initial {self.init_scale:g}"))
         if scale < limits.scale_decline_floor and scale < previous:
             reasons.append(("floor", f"below {limits.scale_decline_floor:g} and falling"))
         for key, reason in reasons:
@@ -94,12 +95,13 @@ class LossScaleHistory:
             return []
         self.overflow_reported = True
         window = len(self.skips)
-        return [("AMP109", dict(skipped=count, window=window, details={"skipped": count, "window": window}))]
+        details = {"skipped": count, "window": window}
+        return [("AMP109", dict(skipped=count, window=window, details=details))]
 
 
 def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer], bool]:
-    """From inside a scaler kernel's handler: the GradScaler running it, the optimizer whose gradients it
-    processes, and whether those gradients stay scaled (``_check_inf_per_device`` only checks them)."""
+    """From inside a scaler kernel's handler: the GradScaler running it, the optimizer whose
+    gradients it processes, and whether they stay scaled (``_check_inf_per_device`` only checks)."""
     scaler = optimizer = None
     still_scaled = False
     frame = sys._getframe(1)
@@ -120,7 +122,7 @@ def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer]
 
 
 def inside_scaler_step() -> bool:
-    """Whether an enabled ``GradScaler.step`` called the running code (checked from an optimizer hook)."""
+    """Whether an enabled ``GradScaler.step`` called the running code (from an optimizer hook)."""
     frame = sys._getframe(1)
     for _ in range(_FRAMES_TO_SCALER + 4):
         if frame is None:
@@ -144,12 +146,13 @@ def scaler_owning(scale: torch.Tensor) -> Optional[GradScaler]:
 def live_instances(cls) -> list:
     """Every live object of ``cls`` (a full heap walk, for rare one-off look-ups)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance() on some lazily deprecated module attributes warns
+        # isinstance() on some lazily deprecated module attributes warns
+        warnings.simplefilter("ignore")
         return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
 
 
 def scale_factor_of(root: torch.Tensor) -> Optional[torch.Tensor]:
-    """The 0-dim float32 tensor ``root`` was multiplied by last, as ``scaler.scale(loss)`` does; else None."""
+    """The 0-dim float32 tensor ``root`` was last multiplied by, as in ``scaler.scale(loss)``."""
     node = root.grad_fn
     if node is None or node.name() != "MulBackward0":
         return None
@@ -161,7 +164,7 @@ def scale_factor_of(root: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def backward_root(func, args, kwargs) -> Optional[torch.Tensor]:
-    """The tensor a ``Tensor.backward`` / ``torch.autograd.backward`` call starts from (the first one)."""
+    """The (first) tensor a ``Tensor.backward`` / ``torch.autograd.backward`` call starts from."""
     root = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
     if isinstance(root, (list, tuple)):
         root = root[0] if root else None
@@ -195,13 +198,16 @@ class ScalerState:
 
     def stages(self) -> List[OptState]:
         scaler = self.scaler
-        return [] if scaler is None else [state["stage"] for state in scaler._per_optimizer_states.values()]
+        if scaler is None:
+            return []
+        return [state["stage"] for state in scaler._per_optimizer_states.values()]
 
 
 class ScalerWatch(Monitor):
-    """Finds the GradScalers a loop uses, follows their state, and judges the loss scale at each update.
+    """Finds the GradScalers a loop uses, follows their state, judges the scale at each update.
 
-    Always attached (the scaler rules and step detection rely on it); its own findings are AMP107-AMP109.
+    Always attached (the scaler rules and step detection rely on it); its own findings are
+    AMP107-AMP109.
     """
 
     codes = ()
@@ -223,7 +229,7 @@ class ScalerWatch(Monitor):
         return state
 
     def scaler_of_loss(self, root: torch.Tensor) -> Optional[ScalerState]:
-        """The scaler that scaled the tensor a backward starts from, or None (memoized per backward)."""
+        """The scaler that scaled the tensor a backward starts from (memoized per backward)."""
         if self._last_root is not None and self._last_root[0] is root:
             return self._last_root[1]
         found = None
@@ -276,7 +282,8 @@ class ScalerWatch(Monitor):
             return
         state = self.state_of(scaler)
         state.scaled_backward = False
-        used, new, inf = torch.stack([self._scale_before.float(), scale.float(), found_inf.float().to(scale.device)]).tolist()
+        values = [self._scale_before.float(), scale.float(), found_inf.float().to(scale.device)]
+        used, new, inf = torch.stack(values).tolist()
         skipped = inf > 0
         self._step_record = {"loss_scale": used, "skipped": skipped}
         for code, kwargs_ in state.history.observe(new, skipped):

@@ -1,10 +1,10 @@
-"""AMP005 clip-before-unscale, runtime half: clipping runs on gradients a GradScaler scaled and did not unscale.
+"""AMP005 clip-before-unscale, runtime half: clipping gradients a GradScaler scaled, not unscaled.
 
 The static half is ``flake8_amp/rules/amp005.py``. Clipping is recognised by the kernels
 ``clip_grad_norm_`` / ``clip_grad_value_`` run (``_foreach_norm``, ``_foreach_clamp_min_`` and their
-per-tensor fallbacks) when called from ``torch/nn/utils/clip_grad.py``. The gradients are scaled when a
-backward started from a loss the scaler scaled and the scaler's own per-optimizer stage for the
-gradients' optimizer is still READY (``unscale_`` sets it to UNSCALED).
+per-tensor fallbacks) when called from ``torch/nn/utils/clip_grad.py``. The gradients are scaled
+when a backward started from a loss the scaler scaled and the scaler's own per-optimizer stage for
+the gradients' optimizer is still READY (``unscale_`` sets it to UNSCALED).
 """
 from __future__ import annotations
 
@@ -17,12 +17,19 @@ from amp_runtime.monitors.scaler import called_from, watch_of
 #: The public clipping functions, as they appear in the call stack of their kernels.
 CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
 #: Kernels clipping runs first (foreach and per-tensor paths).
-CLIP_KERNELS = (torch._foreach_norm, torch.linalg.vector_norm, torch._foreach_clamp_min_, torch.Tensor.clamp_)
+CLIP_KERNELS = (
+    torch._foreach_norm, torch.linalg.vector_norm, torch._foreach_clamp_min_, torch.Tensor.clamp_,
+)
 
 
 def _tensors(args, kwargs):
     first = args[0] if args else kwargs.get("self", kwargs.get("input"))
     return list(first) if isinstance(first, (list, tuple)) else [first]
+
+
+def _owns_any(optimizer, grad_ids) -> bool:
+    return any(p.grad is not None and id(p.grad) in grad_ids
+               for group in optimizer.param_groups for p in group["params"])
 
 
 class ClipBeforeUnscale(Monitor):
@@ -47,11 +54,10 @@ class ClipBeforeUnscale(Monitor):
             return
         grads = {id(t) for t in _tensors(args, kwargs)}
         for state in pending:
-            owners = [opt for opt in state.optimizers
-                      if any(p.grad is not None and id(p.grad) in grads for g in opt.param_groups for p in g["params"])]
+            owners = [opt for opt in state.optimizers if _owns_any(opt, grads)]
             if owners:
                 scaled = any(state.stage(opt) is OptState.READY for opt in owners)
-            else:  # optimizers not known yet (first step): scaled unless the scaler unscaled something
+            else:  # optimizers not known yet (first step): scaled unless something was unscaled
                 scaled = OptState.UNSCALED not in state.stages()
             if scaled:
                 self._reported_step = self.guard.step_index

@@ -3,11 +3,11 @@ without an update.
 
 The static half is ``flake8_amp/rules/amp006.py``. Both cases are read from the scaler's own state:
 
-* a global optimizer step pre-hook sees an optimizer step, not called by ``GradScaler.step``, while a
-  backward from a scaled loss is pending and the scaler's stage for that optimizer is READY (its gradients
-  are still multiplied by the scale, and an inf/NaN step would not be skipped);
-* a backward from a scaled loss starts while that scaler still holds a STEPPED optimizer: the previous
-  ``scaler.step`` was not followed by ``scaler.update()``, so the scale never adapts.
+* a global optimizer step pre-hook sees an optimizer step, not called by ``GradScaler.step``, while
+  a backward from a scaled loss is pending and the scaler's stage for that optimizer is READY (its
+  gradients are still multiplied by the scale, and an inf/NaN step would not be skipped);
+* a backward from a scaled loss starts while that scaler still holds a STEPPED optimizer: the
+  previous ``scaler.step`` was not followed by ``scaler.update()``, so the scale never adapts.
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, backward_root, inside_scaler_step, watch_of
+from amp_runtime.monitors.scaler import (
+    BACKWARD_FUNCTIONS, backward_root, inside_scaler_step, watch_of,
+)
 
 
 class StepBypassesScaler(Monitor):
@@ -51,17 +53,19 @@ class StepBypassesScaler(Monitor):
             if known and state.stage(optimizer) is OptState.READY and not inside_scaler_step():
                 if self._once_per_step("step"):
                     guard.emit("AMP006", op=f"{type(optimizer).__name__}.step", detail=(
-                        f"{type(optimizer).__name__}.step() runs on gradients GradScaler scaled and did not "
-                        "unscale; steps with inf/NaN gradients are not skipped"))
+                        f"{type(optimizer).__name__}.step() runs on gradients GradScaler scaled "
+                        "and did not unscale; steps with inf/NaN gradients are not skipped"))
                 return
 
     def _backward_starts(self, func, args, kwargs):
         watch = watch_of(self.guard)
         root = backward_root(func, args, kwargs)
         state = None if watch is None or root is None else watch.scaler_of_loss(root)
-        if state is not None and OptState.STEPPED in state.stages() and self._once_per_step("update"):
+        stepped = state is not None and OptState.STEPPED in state.stages()
+        if stepped and self._once_per_step("update"):
             self.guard.emit("AMP006", op="GradScaler.step", detail=(
-                "scaler.step() was not followed by scaler.update() before this backward; the loss scale never adapts"))
+                "scaler.step() was not followed by scaler.update() before this backward; "
+                "the loss scale never adapts"))
 
 
 def monitors(guard):

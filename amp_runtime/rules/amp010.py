@@ -1,11 +1,12 @@
-"""AMP010 scaler-dtype-mismatch, runtime half: an fp16 backward with no GradScaler; a GradScaler scaling a
-bf16 backward.
+"""AMP010 scaler-dtype-mismatch, runtime half: an fp16 backward with no GradScaler; a GradScaler
+scaling a bf16 backward.
 
-The static half is ``flake8_amp/rules/amp010.py``. At the start of a backward, the autograd graph behind
-the loss is searched (breadth first, a bounded number of nodes) for the first node whose gradient is
-float16 or bfloat16 (``node._input_metadata``): that is the low-precision dtype the forward ran in,
-whether through autocast or a cast model. Whether a scaler scaled the loss comes from the scaler watch.
-Only the first few backward passes are searched; each finding is reported once per guard.
+The static half is ``flake8_amp/rules/amp010.py``. At the start of a backward, the autograd graph
+behind the loss is searched (breadth first, a bounded number of nodes) for the first node whose
+gradient is float16 or bfloat16 (``node._input_metadata``): that is the low-precision dtype the
+forward ran in, whether through autocast or a cast model. Whether a scaler scaled the loss comes
+from the scaler watch. Only the first few backward passes are searched; each finding is reported
+once per guard.
 """
 from __future__ import annotations
 
@@ -67,9 +68,11 @@ class ScalerDtypeMismatch(Monitor):
         scaled = watch is not None and watch.scaler_of_loss(root) is not None
         dtype = low_precision_dtype(root)
         if dtype == torch.float16 and not scaled:
-            self._report("fp16", "backward through float16 ops with no GradScaler; gradients below 6e-8 flush to zero")
+            self._report("fp16", "backward through float16 ops with no GradScaler; "
+                                 "gradients below 6e-8 flush to zero")
         elif dtype == torch.bfloat16 and scaled:
-            self._report("bf16", "GradScaler scales a bfloat16 backward; bf16 has fp32's range and needs no loss scaling")
+            self._report("bf16", "GradScaler scales a bfloat16 backward; "
+                                 "bf16 has fp32's range and needs no loss scaling")
 
     def _report(self, kind: str, detail: str) -> None:
         if kind not in self._reported:
