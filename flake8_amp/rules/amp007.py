@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
-from flake8_amp.analysis.names import is_self, last_part
+from flake8_amp.analysis.names import is_self, last_part, simple_name
 from flake8_amp.analysis.scaler import method_call
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
@@ -32,6 +32,8 @@ FILL_METHODS = {
     "new_full": (1, "fill_value"),
 }
 #: A literal that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``2 ** 32``.
+#: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``).
+FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where"}
 BIG_LITERAL = re.compile(r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)|\d{6}|\b[6-9]\d{4}\b|\*\*\s*\d\d")
 CONTAINER_NODES = (
     nodes.List,
@@ -121,7 +123,7 @@ class Fp16OverflowLiteral(Check):
     """fp16 cannot hold the value: the fill raises, or becomes inf and softmax turns NaN."""
 
     code = "AMP007"
-    triggers = ("fill", "full", "where", "] =")
+    triggers = ("fill", "full(", "full_like(", "where(", "] =")
 
     @classmethod
     def applies(cls, source, options):
@@ -179,6 +181,8 @@ class Fp16OverflowLiteral(Check):
         Tuple[str, Optional[nodes.NodeNG], Optional[nodes.NodeNG], Optional[nodes.NodeNG]]
     ]:
         """``(op, tensor filled, fill value, dtype=)`` of a fill call; None for other calls."""
+        if simple_name(node.func) not in FILL_NAMES:
+            return None  # cheap test before name resolution
         callee = self.context.names.callee(node)
         qualname = callee.qualname if callee is not None and not callee.instance else None
         dtype = next((kw.value for kw in node.keywords or () if kw.arg == "dtype"), None)

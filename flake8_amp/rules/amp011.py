@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import FP16
+from flake8_amp.analysis.names import simple_name
 from flake8_amp.analysis.scaler import calls_in_order, expression_key, method_call
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from flake8_amp.engine import Check
@@ -29,6 +30,7 @@ OPTIMIZER_DEFAULT_EPS = {
     "torch.optim.RMSprop": 1e-8,
     "torch.optim.Adagrad": 1e-10,
 }
+OPTIMIZER_NAMES = frozenset(qualname.rsplit(".", 1)[-1] for qualname in OPTIMIZER_DEFAULT_EPS)
 ADD_METHODS = frozenset({"add", "add_"})
 CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"})
 CLAMP_FUNCTIONS = frozenset({"torch.clamp", "torch.clip", "torch.clamp_min"})
@@ -74,6 +76,8 @@ class TinyEpsilon(Check):
         self, node: nodes.Call
     ) -> Optional[Tuple[nodes.NodeNG, Optional[nodes.NodeNG]]]:
         """``(tensor, epsilon)`` of ``x.add(eps)``, ``x.clamp(min=eps)``, ``torch.clamp(x, eps)``"""
+        if simple_name(node.func) not in ADD_METHODS | CLAMP_METHODS:
+            return None  # cheap test before name resolution
         qualname = self.context.names.qualname(node.func)
         if qualname is None:
             method, receiver = method_call(node)
@@ -89,6 +93,8 @@ class TinyEpsilon(Check):
         return None
 
     def _check_optimizer(self, node: nodes.Call) -> None:
+        if simple_name(node.func) not in OPTIMIZER_NAMES:
+            return
         callee = self.context.names.callee(node)
         if callee is None or callee.instance or callee.qualname not in OPTIMIZER_DEFAULT_EPS:
             return
