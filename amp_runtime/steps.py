@@ -19,13 +19,12 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook,
 )
 
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, inside_scaler_step, watch_of
+from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, inside_scaler_step
 
 
 class StepDetector(Monitor):
@@ -92,13 +91,10 @@ class StepDetector(Monitor):
         else:
             self._end_step(by_optimizer=True)
 
-    def _through_scaler(self, optimizer) -> bool:
+    @staticmethod
+    def _through_scaler(optimizer) -> bool:
         """Whether a GradScaler is stepping this optimizer (its update() will end the step)."""
-        watch = watch_of(self.guard)
-        unscaled = watch is not None and any(
-            state.stage(optimizer) is OptState.UNSCALED for state in watch.states.values()
-        )
-        return unscaled or inside_scaler_step()  # optimizers that unscale themselves stay READY
+        return inside_scaler_step()
 
 
 def monitors(guard):

@@ -324,3 +324,16 @@ def test_adam_epsilon_over_fp16_parameters_is_amp011(eps, dtype, reported):
     assert len(events) == (1 if reported else 0)
     if reported:
         assert events[0].op == "Adam.step" and "1e-08" in events[0].message
+
+
+def test_unscaled_inf_gradients_the_optimizer_applies_directly_are_amp103():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_runtime.guard(policy="record") as g:
+        loss = (model(torch.randn(8, 4)) * torch.tensor(float("inf"))).sum()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        opt.step()  # noqa: AMP006 - the scaler found inf, but nothing skips this step
+    (event,) = g.report.by_code("AMP103")
+    assert event.step == 0 and g.step_index == 1

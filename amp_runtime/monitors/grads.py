@@ -258,8 +258,6 @@ class GradHealth(Monitor):
         super().__init__()
         self.names = ParameterNames(guard.model)
         self.pending: List[GradSample] = []
-        #: The scaler's found_inf flags of this step: any nonzero means the step is skipped.
-        self.found_inf: List[torch.Tensor] = []
         self.sampled_optimizers: set = set()
         #: Optimizers whose gradients are sampled at their step: id -> (scaled_by, loss_scale).
         self.deferred: Dict[int, tuple] = {}
@@ -321,7 +319,6 @@ class GradHealth(Monitor):
         scaler, optimizer, still_scaled = scaler_call()
         if scaler is None or optimizer is None:
             return
-        self.found_inf.append(args[1])
         scaled_by = scaler._scale if still_scaled else None
         if not self._detailed_step():
             # the norms are taken at the optimizer step, reusing clip_grad_norm_'s when it runs in
@@ -374,18 +371,13 @@ class GradHealth(Monitor):
     def on_step_end(self, step, record):
         if not self.pending and self.guard.manual_steps and self.guard.model is not None:
             self._sample(list(self.guard.model.parameters()))
-        samples, found_inf = self.pending, self.found_inf
-        self.pending, self.found_inf, self.sampled_optimizers = [], [], set()
+        samples = self.pending
+        self.pending, self.sampled_optimizers = [], set()
         self.deferred.clear()
         self.clip_norms.clear()
         record.setdefault("grad_norm", None)
-        if not samples:
-            return
-        if found_inf:
-            with torch._C.DisableTorchFunction():
-                skipped = bool(sum(flag.float().sum().item() for flag in found_inf))
-            if skipped:
-                return  # the scaler caught inf/NaN and skips the step: AMP109's business
+        if not samples or record.get("skipped"):
+            return  # a scaler caught inf/NaN and skipped the step: AMP107-AMP109's business
         layers, loss_scale = read_samples(samples)
         findings = judge_gradients(layers, loss_scale, self.guard.thresholds)
         detailed = layers[0].max is not None

@@ -230,7 +230,7 @@ class ScalerWatch(Monitor):
 
     def scaler_of_loss(self, root: torch.Tensor) -> Optional[ScalerState]:
         """The scaler that scaled the tensor a backward starts from (memoized per backward)."""
-        if self._last_root is not None and self._last_root[0] is root:
+        if self._last_root is not None and self._last_root[0]() is root:
             return self._last_root[1]
         found = None
         factor = scale_factor_of(root)
@@ -243,7 +243,7 @@ class ScalerWatch(Monitor):
                 self._searched.add(pointer)
                 owner = scaler_owning(factor)
                 found = None if owner is None else self.state_of(owner)
-        self._last_root = (root, found)
+        self._last_root = (weakref.ref(root), found)
         return found
 
     def scaled_pending(self) -> List[ScalerState]:
