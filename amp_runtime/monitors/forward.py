@@ -43,7 +43,7 @@ UNTRACED_FUNCTIONS = frozenset((
     _T.__getitem__, _T.view, _T.view_as, _T.reshape, _T.reshape_as, _T.transpose, _T.permute,
     _T.contiguous, _T.detach, _T.expand, _T.expand_as, _T.unsqueeze, _T.squeeze, _T.flatten,
     _T.unflatten, _T.narrow, _T.select, _T.t, _T.split, _T.chunk, _T.unbind, _T.clone,
-    _T.size, _T.dim, _T.numel, _T.__len__, _T.__setitem__, _T.copy_, _T.zero_,
+    _T.size, _T.dim, _T.numel, _T.__len__, _T.zero_,
     _T.dtype.__get__, _T.shape.__get__, _T.device.__get__, _T.T.__get__, _T.mT.__get__,
     _T.grad.__get__, _T.data.__get__, _T.requires_grad.__get__, _T.is_leaf.__get__,
     torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unsqueeze, torch.squeeze,
@@ -140,27 +140,38 @@ class ForwardMonitor(Monitor):
                 continue
             out_max = peak(tensor)
             if out_max.device.type != "cpu":
-                self.readings.submit(out_max, lambda values, where, t=tensor: self._judge_output(
-                    func, args, kwargs, t, values[0], where))
+                # Keep only the dtype: holding the output until the step ends would keep
+                # every activation alive.
+                self.readings.submit(out_max, lambda values, where, dtype=dtype: self._judge_deferred(
+                    func, dtype, values[0], where))
                 continue
             value = out_max.item()
             if not value <= self.limits.near_overflow:  # also true for NaN
-                self._judge_output(func, args, kwargs, tensor, value, {})
+                self._judge_now(func, args, kwargs, tensor, value)
 
-    def _judge_output(self, func, args, kwargs, out, out_max: float, where) -> None:
+    def _judge_now(self, func, args, kwargs, out, out_max: float) -> None:
         details = {"dtype": dtype_name(out.dtype), "output_max": out_max}
         if math.isfinite(out_max):
-            if out.dtype == torch.float16 and out_max > self.limits.near_overflow:
-                self.guard.emit("AMP102", op=func, value=out_max, details=details, **where)
+            self._check_near_overflow(func, out.dtype, out_max, details, {})
             return
-        if where:  # deferred: inputs are gone, the order decides the first cause
-            first = not self._nonfinite_seen
+        if self._record_inputs(args, kwargs, out, details):
+            self.guard.emit("AMP101", op=func, kind=nonfinite_kind(out_max), details=details)
+        self.guard.request_tracing("AMP101")
+
+    def _judge_deferred(self, func, dtype, out_max: float, where) -> None:
+        """Judged at the step end: the inputs are gone, the order decides the first cause."""
+        details = {"dtype": dtype_name(dtype), "output_max": out_max, "deferred": True}
+        if math.isfinite(out_max):
+            self._check_near_overflow(func, dtype, out_max, details, where)
+            return
+        if not self._nonfinite_seen:
             self._nonfinite_seen = True
-        else:
-            first = self._record_inputs(args, kwargs, out, details)
-        if first:
             self.guard.emit("AMP101", op=func, kind=nonfinite_kind(out_max), details=details, **where)
         self.guard.request_tracing("AMP101")
+
+    def _check_near_overflow(self, func, dtype, out_max: float, details, where) -> None:
+        if dtype == torch.float16 and out_max > self.limits.near_overflow:
+            self.guard.emit("AMP102", op=func, value=out_max, details=details, **where)
 
     @staticmethod
     def _record_inputs(args, kwargs, out, details) -> bool:
@@ -210,8 +221,9 @@ class ForwardMonitor(Monitor):
         a_lost = ((total == b) | (a == 0)).all() & (a != 0).any()
         a_max, b_max = peak(a).float(), peak(b).float()
         ratio = torch.maximum(a_max, b_max) / torch.minimum(a_max, b_max)
+        dtype = a.dtype
         self.readings.submit(torch.stack([(a_lost | b_lost).float(), ratio]),
-                             lambda values, where: self._judge_absorption(func, a.dtype, values, where))
+                             lambda values, where: self._judge_absorption(func, dtype, values, where))
 
     def _judge_absorption(self, func, dtype, values, where) -> None:
         absorbed, ratio = values
@@ -234,8 +246,8 @@ class ForwardMonitor(Monitor):
         count = nonzero.sum()
         mean_log = torch.where(nonzero, magnitude.log2(), 0.0).sum() / count.clamp(min=1)
         ratio = torch.where(count > 0, magnitude.amax() / torch.exp2(mean_log), 0.0)
-        self.readings.submit(ratio,
-                             lambda values, where: self._judge_reduction(func, source.dtype, values[0], where))
+        dtype = source.dtype
+        self.readings.submit(ratio, lambda values, where: self._judge_reduction(func, dtype, values[0], where))
 
     def _judge_reduction(self, func, dtype, ratio: float, where) -> None:
         if ratio > self.limits.imbalanced_reduce_ratio:
