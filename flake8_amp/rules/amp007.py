@@ -31,10 +31,13 @@ FILL_METHODS = {
     "fill_": (0, "value"),
     "new_full": (1, "fill_value"),
 }
-#: A literal that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``2 ** 32``.
 #: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``).
 FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where"}
-BIG_LITERAL = re.compile(r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)|\d{6}|\b[6-9]\d{4}\b|\*\*\s*\d\d")
+#: A value that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``2 ** 32``,
+#: ``torch.finfo(torch.float32)``.
+BIG_LITERAL = re.compile(
+    r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)|\d{6}|\b[6-9]\d{4}\b|\*\*\s*\d\d|finfo\(torch\.(?:float|double)"
+)
 CONTAINER_NODES = (
     nodes.List,
     nodes.Dict,
@@ -46,13 +49,17 @@ CONTAINER_NODES = (
 )
 BUILTIN_CONTAINERS = frozenset({"list", "dict", "set"})
 CONTAINER_FACTORIES = frozenset({"collections.defaultdict", "collections.OrderedDict"})
+#: ``torch.finfo`` of these is far beyond fp16's range (fp32's max is used for all of them).
+WIDE_DTYPES = frozenset({"torch.float32", "torch.float", "torch.float64", "torch.double"})
+FP32_MAX = 3.4028234663852886e38
 _MAX_DEPTH = 6
 _MAX_EXPONENT = 1024
 
 
 def numeric_constant(expr: Optional[nodes.NodeNG], names, _depth: int = 0) -> Optional[float]:
-    """The number ``expr`` always evaluates to: literals, ``-1e9``, ``-2 ** 32 + 1``, and
-    names or ``self`` attributes bound only to such numbers; None otherwise."""
+    """The number ``expr`` always evaluates to: literals, ``-1e9``, ``-2 ** 32 + 1``,
+    ``torch.finfo(torch.float32).min``, and names or ``self`` attributes bound only to such
+    numbers; None otherwise."""
     if expr is None or _depth > _MAX_DEPTH:
         return None
     if isinstance(expr, nodes.Const):
@@ -71,6 +78,10 @@ def numeric_constant(expr: Optional[nodes.NodeNG], names, _depth: int = 0) -> Op
         and expr.func.name == "float"
     ):
         return _float_call(expr, names, _depth)
+    if isinstance(expr, nodes.Attribute) and expr.attrname in ("min", "max"):
+        limit = _fp32_finfo_limit(expr.expr, names)
+        if limit is not None:
+            return -limit if expr.attrname == "min" else limit
     if isinstance(expr, nodes.BinOp):
         return _fold(
             expr.op,
@@ -98,6 +109,17 @@ def _float_call(call: nodes.Call, names, depth: int) -> Optional[float]:
         except ValueError:
             return None
     return numeric_constant(arg, names, depth + 1)
+
+
+def _fp32_finfo_limit(expr: nodes.NodeNG, names) -> Optional[float]:
+    """fp32's largest value for ``torch.finfo(torch.float32)`` (or wider dtypes: no less)."""
+    if (
+        not isinstance(expr, nodes.Call)
+        or len(expr.args) != 1
+        or names.qualname(expr.func) != "torch.finfo"
+    ):
+        return None
+    return FP32_MAX if names.qualname(expr.args[0]) in WIDE_DTYPES else None
 
 
 def _fold(op: str, left: Optional[float], right: Optional[float]) -> Optional[float]:

@@ -45,6 +45,10 @@ def with_float_call(scores, mask):
     return scores.masked_fill(mask == 0, float(-1e9))  # AMP007
 
 
+def hard_coded_fp32_finfo(scores, mask):
+    return scores.masked_fill(mask, torch.finfo(torch.float32).min)  # AMP007
+
+
 def fill_under_autocast(model, tokens, pad_mask):
     with torch.autocast("cuda", dtype=torch.float16):
         logits = model(tokens)
