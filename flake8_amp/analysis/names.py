@@ -239,7 +239,7 @@ class Names:
         found: Dict[str, List[nodes.NodeNG]] = {}
         for method in classdef.mymethods():
             for target in method.nodes_of_class(nodes.AssignAttr):
-                if is_self(target.expr) and target.scope() is method:
+                if is_self(target.expr) and target.frame() is method:
                     value = assigned_value(target)
                     found.setdefault(target.attrname, []).append(value)
         return found
@@ -343,7 +343,7 @@ def is_self(expr: nodes.NodeNG) -> bool:
     """``expr`` is the first parameter of the method it appears in (``self``)."""
     if not isinstance(expr, nodes.Name):
         return False
-    function = expr.scope()
+    function = expr.frame()
     if not isinstance(function, nodes.FunctionDef) or not isinstance(
         function.parent, nodes.ClassDef
     ):
@@ -359,7 +359,7 @@ def is_self(expr: nodes.NodeNG) -> bool:
 
 def enclosing_class(node: nodes.NodeNG) -> Optional[nodes.ClassDef]:
     """The class whose method contains ``node``."""
-    function = node.scope()
+    function = node.frame()
     if isinstance(function, nodes.FunctionDef) and isinstance(function.parent, nodes.ClassDef):
         return function.parent
     return None
