@@ -21,7 +21,10 @@ import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from flake8_amp.catalog import RULES, SEVERITIES, matches, severity_rank
 
@@ -38,7 +41,8 @@ TRACE_MODES = ("off", "auto", "always")
 #: in attach order. Step detection comes last so that it sees the others installed.
 MONITOR_MODULES = (
     *(f"amp_runtime.rules.{code}" for code in (
-        "amp001", "amp002", "amp003", "amp004", "amp005", "amp006", "amp007", "amp008", "amp010", "amp011",
+        "amp001", "amp002", "amp003", "amp004", "amp005",
+        "amp006", "amp007", "amp008", "amp010", "amp011",
     )),
     "amp_runtime.monitors.forward",
     "amp_runtime.monitors.scaler",
@@ -78,7 +82,8 @@ def _prefixes(value, argument: str) -> Optional[List[str]]:
     if isinstance(value, str):
         value = [p.strip() for p in value.split(",") if p.strip()]
     elif not isinstance(value, Iterable):
-        raise TypeError(f"guard({argument}=...) takes code prefixes such as ['AMP1'], got {value!r}")
+        raise TypeError(
+            f"guard({argument}=...) takes code prefixes such as ['AMP1'], got {value!r}")
     prefixes = list(value)
     for prefix in prefixes:
         if not isinstance(prefix, str) or not any(code.startswith(prefix) for code in RULES):
@@ -88,7 +93,8 @@ def _prefixes(value, argument: str) -> Optional[List[str]]:
 
 def _choice(value, allowed: Sequence[str], argument: str) -> str:
     if value not in allowed:
-        raise ValueError(f"guard({argument}=...) must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        choices = ", ".join(map(repr, allowed))
+        raise ValueError(f"guard({argument}=...) must be one of {choices}, got {value!r}")
     return value
 
 
@@ -113,7 +119,8 @@ class Guard:
         self.select = _prefixes(select, "select")
         self.ignore = _prefixes(ignore, "ignore")
         if thresholds is not None and not isinstance(thresholds, Thresholds):
-            raise TypeError(f"guard(thresholds=...) takes an amp_runtime.Thresholds, got {type(thresholds).__name__}")
+            raise TypeError("guard(thresholds=...) takes an amp_runtime.Thresholds, "
+                            f"got {type(thresholds).__name__}")
         self.thresholds = thresholds or Thresholds()
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(f"guard(log_dir=...) takes a folder path, got {type(log_dir).__name__}")
@@ -216,7 +223,8 @@ class Guard:
 
     def __enter__(self) -> "Guard":
         if self._active:
-            raise RuntimeError("this guard is already active; create a new one with amp_runtime.guard()")
+            raise RuntimeError(
+                "this guard is already active; create a new one with amp_runtime.guard()")
         self._active = True
         self._thread = threading.get_ident()
         outer = current_guard()
@@ -243,7 +251,8 @@ class Guard:
     def _install(self) -> None:
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
-            self._events_file = open(os.path.join(self.log_dir, "events.jsonl"), "w", encoding="utf-8")
+            events_path = os.path.join(self.log_dir, "events.jsonl")
+            self._events_file = open(events_path, "w", encoding="utf-8")
         # The mode leaves before any other optimizer pre-hook runs and comes back after
         # every post-hook: the optimizer and the monitors' per-step work run unobserved.
         self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._optimizer_step_starts))
@@ -313,7 +322,9 @@ class Guard:
             self._mode.set_passthrough(suspended)
 
     def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
-        if threading.get_ident() == self._thread and self._mode is not None and not self._mode_left_for_optimizer:
+        if self._mode is None or self._mode_left_for_optimizer:
+            return
+        if threading.get_ident() == self._thread:
             self._mode_left_for_optimizer = self._mode.suspend()
 
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
@@ -347,7 +358,8 @@ class Guard:
             listener(step, record)
         self.step_index = step + 1
         self._quiet_steps += 1
-        if self.trace == "auto" and self._tracing and self._quiet_steps >= self.thresholds.auto_quiet_steps:
+        quiet = self._quiet_steps >= self.thresholds.auto_quiet_steps
+        if self.trace == "auto" and self._tracing and quiet:
             self._tracing = False
             self.tracing_reason = None
             if self._mode is not None:

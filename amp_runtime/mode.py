@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+from torch.overrides import (
+    TorchFunctionMode,
+    _get_current_function_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from .monitors import After, Before, OpHandler
 
@@ -56,7 +61,9 @@ class GuardMode(TorchFunctionMode):
         if tracers:
             # An untraced function keeps its cheap entry, or None: straight through.
             self._traced = {func: self._cheap.get(func) for func in untraced}
-            self._traced.update({func: _entry(b, a + tracers) for func, (b, a) in merged.items() if func not in untraced})
+            for func, (befores, afters) in merged.items():
+                if func not in untraced:
+                    self._traced[func] = _entry(befores, afters + tracers)
             self._trace_default = _entry([], tracers)
         else:
             self._traced, self._trace_default = self._cheap, None

@@ -36,8 +36,9 @@ class Attention(nn.Module):
     def forward(self, x):
         batch, length, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(width // self.heads)
+        head_width = width // self.heads
+        q, k, v = (t.view(batch, length, self.heads, head_width).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_width)
         mask = torch.ones(length, length, dtype=torch.bool).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
         y = F.softmax(scores, dim=-1) @ v
@@ -106,7 +107,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
         generator = torch.Generator().manual_seed(0)
-        self.batch = torch.randint(shape.vocab, (shape.batch, shape.length + 1), generator=generator)
+        size = (shape.batch, shape.length + 1)
+        self.batch = torch.randint(shape.vocab, size, generator=generator)
 
     def step(self) -> None:
         idx, target = self.batch[:, :-1], self.batch[:, 1:]
@@ -163,7 +165,8 @@ def main(argv=None) -> None:
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     repetitions = 5 if options.quick else 15
-    print(f"torch {torch.__version__}, CPU time per step, median of {repetitions} alternated runs\n")
+    print(f"torch {torch.__version__}, CPU time per step, "
+          f"median of {repetitions} alternated runs\n")
     print("| shape | precision | variant | ms/step | × no guard | events |")
     print("|---|---|---|---|---|---|")
     for shape_name in options.shapes:
@@ -176,8 +179,10 @@ def main(argv=None) -> None:
             baseline = results["no guard"][0]
             for name, (seconds, events) in results.items():
                 label = f"{shape_name} (d={used.width}, {used.layers}x{used.length}x{used.batch})"
-                print(f"| {label} | {str(dtype).replace('torch.', '')} | {name} | {seconds * 1e3:.2f} "
-                      f"| {seconds / baseline:.3f} | {events if name.startswith('trace') else '-'} |", flush=True)
+                precision = str(dtype).replace("torch.", "")
+                shown_events = events if name.startswith("trace") else "-"
+                print(f"| {label} | {precision} | {name} | {seconds * 1e3:.2f} "
+                      f"| {seconds / baseline:.3f} | {shown_events} |", flush=True)
 
 
 if __name__ == "__main__":

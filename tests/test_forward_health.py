@@ -37,8 +37,9 @@ class ResidualMLP(nn.Module):
         return self.head(x)
 
 
-FC2_LINE = inspect.getsourcelines(Block.forward)[1] + inspect.getsource(Block.forward).splitlines().index(
-    "        return x + self.fc2(hidden)  # fc2 call"
+FC2_CALL = "        return x + self.fc2(hidden)  # fc2 call"
+FC2_LINE = inspect.getsourcelines(Block.forward)[1] + (
+    inspect.getsource(Block.forward).splitlines().index(FC2_CALL)
 )
 THIS_FILE = os.path.relpath(__file__)
 
@@ -88,8 +89,10 @@ def test_trace_always_names_the_first_overflowing_op_module_line_and_step():
     assert event.step == 3 and event.severity == "P0"
     assert event.details["dtype"] == "float16"
     assert event.details["input_dtypes"] == ["float16", "float32", "float32"]
-    assert math.isfinite(event.details["input_max"]) and not math.isfinite(event.details["output_max"])
-    assert "blocks.2.fc2" in str(event) and "linear produced NaN from finite inputs" in event.message
+    assert math.isfinite(event.details["input_max"])
+    assert not math.isfinite(event.details["output_max"])
+    assert "blocks.2.fc2" in str(event)
+    assert "linear produced NaN from finite inputs" in event.message
 
 
 def test_trace_auto_detects_in_the_step_and_localizes_the_next_occurrence():

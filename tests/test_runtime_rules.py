@@ -25,12 +25,14 @@ def fp16_logits():
 
 def test_amp001_module_cast_in_training_is_one_event_per_module():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
     def cast():
         model.half()
 
     (event,) = events(cast, "AMP001")
     assert event.message.startswith("module Sequential cast to float16")
-    assert event.op == "half" and event.source.endswith(f"test_runtime_rules.py:{cast.__code__.co_firstlineno + 1}")
+    assert event.op == "half"
+    assert event.source.endswith(f"test_runtime_rules.py:{cast.__code__.co_firstlineno + 1}")
 
 
 def test_amp001_grad_requiring_tensor_cast():
@@ -89,7 +91,7 @@ def test_amp003_bce_under_autocast_even_where_it_runs():
 
     def body():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            nn.BCELoss()(probabilities, target)
+            nn.BCELoss()(probabilities, target)  # noqa: AMP003 (deliberate)
 
     (event,) = events(body, "AMP003")
     assert event.severity == "P0" and event.module == "BCELoss"
@@ -136,8 +138,8 @@ def test_amp007_masked_fill_beyond_fp16_range():
 
     def body():
         with pytest.raises(RuntimeError, match="overflow"):  # CPU refuses; CUDA writes -inf
-            scores.masked_fill(mask, -1e9)
-        torch.where(mask, scores, -1e5)
+            scores.masked_fill(mask, -1e9)  # noqa: AMP007 (deliberate)
+        torch.where(mask, scores, -1e5)  # noqa: AMP007 (deliberate)
 
     found = events(body, "AMP007")
     assert [(e.op, e.details["value"]) for e in found] == [("masked_fill", -1e9), ("where", -1e5)]
@@ -167,7 +169,7 @@ def test_amp008_backward_inside_the_autocast_block():
     def body():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(torch.randn(2, 4)).float().mean()
-            loss.backward()
+            loss.backward()  # noqa: AMP008 (deliberate)
 
     (event,) = events(body, "AMP008")
     assert event.op == "backward"
@@ -191,8 +193,8 @@ def test_amp008_quiet_after_the_block():
 def test_amp011_epsilon_that_flushes_to_zero_in_fp16():
     denominator = torch.zeros(3, dtype=torch.float16)
     with amp_runtime.guard(policy="record", select=["AMP011"]) as g:
-        ratio = torch.ones(3, dtype=torch.float16) / (denominator + 1e-8)
-        denominator.clamp(min=1e-9)
+        ratio = torch.ones(3, dtype=torch.float16) / (denominator + 1e-8)  # noqa: AMP011
+        denominator.clamp(min=1e-9)  # noqa: AMP011 (deliberate)
     assert torch.isinf(ratio).all()  # the epsilon did nothing
     assert [e.op for e in g.report] == ["add", "clamp"]
     assert g.report.events[0].message.startswith("epsilon 1e-08 flushes to zero in fp16")

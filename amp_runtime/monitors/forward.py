@@ -142,8 +142,8 @@ class ForwardMonitor(Monitor):
             if out_max.device.type != "cpu":
                 # Keep only the dtype: holding the output until the step ends would keep
                 # every activation alive.
-                self.readings.submit(out_max, lambda values, where, dtype=dtype: self._judge_deferred(
-                    func, dtype, values[0], where))
+                self.readings.submit(out_max, lambda values, where, dtype=dtype:
+                                     self._judge_deferred(func, dtype, values[0], where))
                 continue
             value = out_max.item()
             if not value <= self.limits.near_overflow:  # also true for NaN
@@ -166,7 +166,8 @@ class ForwardMonitor(Monitor):
             return
         if not self._nonfinite_seen:
             self._nonfinite_seen = True
-            self.guard.emit("AMP101", op=func, kind=nonfinite_kind(out_max), details=details, **where)
+            self.guard.emit("AMP101", op=func, kind=nonfinite_kind(out_max), details=details,
+                            **where)
         self.guard.request_tracing("AMP101")
 
     def _check_near_overflow(self, func, dtype, out_max: float, details, where) -> None:
@@ -198,7 +199,8 @@ class ForwardMonitor(Monitor):
         roots = args[0] if args else kwargs.get("tensors", ())
         for loss in tensors_in(roots):
             if loss.is_floating_point() and loss.numel():
-                self.readings.submit(peak(loss), lambda values, where: self._judge_loss(values[0], where))
+                self.readings.submit(peak(loss),
+                                     lambda values, where: self._judge_loss(values[0], where))
 
     def _judge_loss(self, loss_max: float, where) -> None:
         if not math.isfinite(loss_max):
@@ -223,7 +225,8 @@ class ForwardMonitor(Monitor):
         ratio = torch.maximum(a_max, b_max) / torch.minimum(a_max, b_max)
         dtype = a.dtype
         self.readings.submit(torch.stack([(a_lost | b_lost).float(), ratio]),
-                             lambda values, where: self._judge_absorption(func, dtype, values, where))
+                             lambda values, where: self._judge_absorption(
+                                 func, dtype, values, where))
 
     def _judge_absorption(self, func, dtype, values, where) -> None:
         absorbed, ratio = values
@@ -237,7 +240,9 @@ class ForwardMonitor(Monitor):
         if not args or not isinstance(out, torch.Tensor) or out.dtype not in LOW_PRECISION:
             return
         source = args[0]
-        if not isinstance(source, torch.Tensor) or source.dtype not in LOW_PRECISION or not self._sampled():
+        if not isinstance(source, torch.Tensor) or source.dtype not in LOW_PRECISION:
+            return
+        if not self._sampled():
             return
         # Spread = largest magnitude over the typical one (geometric mean of the nonzero
         # magnitudes, which a few outliers cannot drag up as they would the mean).
@@ -247,7 +252,8 @@ class ForwardMonitor(Monitor):
         mean_log = torch.where(nonzero, magnitude.log2(), 0.0).sum() / count.clamp(min=1)
         ratio = torch.where(count > 0, magnitude.amax() / torch.exp2(mean_log), 0.0)
         dtype = source.dtype
-        self.readings.submit(ratio, lambda values, where: self._judge_reduction(func, dtype, values[0], where))
+        self.readings.submit(ratio, lambda values, where: self._judge_reduction(
+            func, dtype, values[0], where))
 
     def _judge_reduction(self, func, dtype, ratio: float, where) -> None:
         if ratio > self.limits.imbalanced_reduce_ratio:

@@ -45,7 +45,8 @@ class ManualCast(Monitor):
         source = args[0] if args else None
         if not (isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor)):
             return
-        if out.dtype not in LOW_PRECISION or not source.is_floating_point() or source.dtype in LOW_PRECISION:
+        narrowed = source.is_floating_point() and source.dtype not in LOW_PRECISION
+        if out.dtype not in LOW_PRECISION or not narrowed:
             return
         if torch.is_inference_mode_enabled():
             return
@@ -58,7 +59,8 @@ class ManualCast(Monitor):
             self.guard.emit("AMP001", op=func, target=f"module {name}", dtype=dtype_name(out.dtype),
                             module=name, details={"module_class": type(module).__name__})
         elif source.requires_grad and torch.is_grad_enabled():
-            self.guard.emit("AMP001", op=func, target="a grad-requiring tensor", dtype=dtype_name(out.dtype))
+            self.guard.emit("AMP001", op=func, target="a grad-requiring tensor",
+                            dtype=dtype_name(out.dtype))
 
 
 def monitors(guard):

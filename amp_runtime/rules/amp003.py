@@ -20,7 +20,9 @@ class BceUnderAutocast(Monitor):
 
     def _check(self, func, args, kwargs) -> None:
         probabilities = args[0] if args else kwargs.get("input")
-        if isinstance(probabilities, torch.Tensor) and torch.is_autocast_enabled(probabilities.device.type):
+        if not isinstance(probabilities, torch.Tensor):
+            return
+        if torch.is_autocast_enabled(probabilities.device.type):
             self.guard.emit("AMP003", op=func, func="binary_cross_entropy")
 
 

@@ -46,11 +46,13 @@ def _full(args, kwargs):
 
 
 def _full_like(args, kwargs):
-    return kwargs.get("dtype") or _dtype(argument(args, kwargs, 0, "input")), argument(args, kwargs, 1, "fill_value")
+    dtype = kwargs.get("dtype") or _dtype(argument(args, kwargs, 0, "input"))
+    return dtype, argument(args, kwargs, 1, "fill_value")
 
 
 def _new_full(args, kwargs):
-    return kwargs.get("dtype") or _dtype(args[0] if args else None), argument(args, kwargs, 2, "fill_value")
+    dtype = kwargs.get("dtype") or _dtype(args[0] if args else None)
+    return dtype, argument(args, kwargs, 2, "fill_value")
 
 
 def _where(args, kwargs):

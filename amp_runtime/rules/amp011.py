@@ -38,7 +38,8 @@ class TinyEpsilon(Monitor):
         self._check(func, argument(args, kwargs, 0, "input"), argument(args, kwargs, 1, "min"))
 
     def _check(self, func, tensor, epsilon) -> None:
-        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float16 and flushes_to_zero(epsilon):
+        is_fp16 = isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float16
+        if is_fp16 and flushes_to_zero(epsilon):
             self.guard.emit("AMP011", op=func, value=f"{epsilon:g}")
 
 
