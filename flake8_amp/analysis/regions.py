@@ -6,7 +6,8 @@ autocast (``torch.autocast``, ``torch.amp.autocast``, the deprecated ``torch.cud
 aliases of these, project wrappers and methods whose name contains ``autocast`` such as
 ``accelerator.autocast()``), or by a context variable bound to one
 (``ctx = nullcontext() if cpu else torch.amp.autocast(...)``; ``with ctx:``). A function
-defined in the module and called only from inside regions inherits the region.
+defined in the module and called only from inside regions inherits the region (so does
+``Net.forward`` when every ``model = Net(...)`` instance is called only inside regions).
 ``enabled=False`` opens an island where autocast is off (tensors arriving in fp16 stay
 fp16). A variable merely named ``ctx`` is not autocast.
 """
@@ -154,6 +155,14 @@ class Regions:
                     sites.append(call)
             elif isinstance(func, nodes.Name) and function in self.names.bindings(func):
                 sites.append(call)
+        if function.name == "forward" and isinstance(owner, nodes.ClassDef):
+            # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module.
+            sites.extend(
+                call
+                for calls in self._calls_by_name.values()
+                for call in calls
+                if isinstance(call.func, nodes.Name) and self.names.local_class(call.func) is owner
+            )
         return sites
 
     # -- what opens a region -----------------------------------------------------------

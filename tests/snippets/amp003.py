@@ -154,6 +154,22 @@ def module_moved_to_device(model, x, y):
         return criterion(model(x), y)  # AMP003
 
 
+class BceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        self.loss = nn.BCELoss()
+
+    def forward(self, x, y):
+        return self.loss(torch.sigmoid(self.fc(x)), y)  # AMP003
+
+
+def model_forward_runs_in_region(x, y):
+    model = BceNet()
+    with torch.autocast("cuda"):
+        return model(x, y)
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -272,3 +288,15 @@ def null_factory_variable(model, x, y):
     maker = contextlib.nullcontext
     with maker():
         return F.binary_cross_entropy(model(x), y)
+
+
+class BceNetUsedInFp32(nn.Module):
+    def forward(self, x, y):
+        return F.binary_cross_entropy(torch.sigmoid(x), y)
+
+
+def model_forward_outside_region(x, y):
+    model = BceNetUsedInFp32()
+    with torch.autocast("cuda"):
+        features = x * 2
+    return model(features.float(), y)
