@@ -114,14 +114,15 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
     """A step's samples as layer statistics (one host read) and the loss scale they had."""
     if not samples:
         return [], None
-    extra = [s.scaled_by if s.scaled_by is not None else torch.full((), 1.0) for s in samples]
-    extra += [s.loss_scale if s.loss_scale is not None else torch.full((), math.nan)
-              for s in samples]
+    # the scale tensors are usually one and the same (the scaler's): read each once
+    scale_tensors = {id(t): t for sample in samples
+                     for t in (sample.scaled_by, sample.loss_scale) if t is not None}
     flat = [s.stats.flatten().cpu() for s in samples]
-    flat += [e.detach().float().reshape(1).cpu() for e in extra]
+    flat += [t.detach().float().reshape(1).cpu() for t in scale_tensors.values()]
     host = torch.cat(flat).tolist()
-    factors = host[-2 * len(samples):-len(samples)]
-    scales = host[-len(samples):]
+    read = dict(zip(scale_tensors, host[len(host) - len(scale_tensors):]))
+    factors = [1.0 if s.scaled_by is None else read[id(s.scaled_by)] for s in samples]
+    scales = [math.nan if s.loss_scale is None else read[id(s.loss_scale)] for s in samples]
     layers: List[LayerGrad] = []
     offset = 0
     for sample, factor, scale in zip(samples, factors, scales):
@@ -146,6 +147,11 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
             ))
     known_scales = [s for s in scales if not math.isnan(s)]
     return layers, (known_scales[-1] if known_scales else None)
+
+
+def total_norm(layers: Sequence[LayerGrad]) -> float:
+    """The L2 norm over all gradients (NaN/Inf when any gradient is non-finite)."""
+    return math.sqrt(sum(g.norm ** 2 for g in layers))
 
 
 def layer_of(param_name: str) -> str:
@@ -174,7 +180,7 @@ def judge_gradients(
         )))
         return findings  # norms of non-finite gradients mean nothing
 
-    total = math.sqrt(sum(g.norm ** 2 for g in layers))
+    total = total_norm(layers)
     largest = max(layers, key=lambda g: g.norm)
     if total > limits.grad_explosion:
         p0 = total > limits.grad_explosion_p0
@@ -306,10 +312,10 @@ class GradHealth(Monitor):
 
     def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> torch.Tensor:
         """The NORM row: the norms clip_grad_norm_ already computed, computing only the rest."""
+        if not self.clip_norms:
+            return gradient_stats(grads, detailed=False)
         known = [self.clip_norms.get(id(g)) for g in grads]
         missing = [g for g, norm in zip(grads, known) if norm is None]
-        if len(missing) == len(grads):
-            return gradient_stats(grads, detailed=False)
         computed = iter(torch._foreach_norm(missing, 2, dtype=torch.float32) if missing else ())
         norms = [norm.float() if norm is not None else next(computed) for norm in known]
         return torch.stack(norms).reshape(1, -1)
@@ -321,8 +327,7 @@ class GradHealth(Monitor):
             return
         scaled_by = scaler._scale if still_scaled else None
         if not self._detailed_step():
-            # the norms are taken at the optimizer step, reusing clip_grad_norm_'s when it runs in
-            # between
+            # norms are taken at the optimizer step, reusing those of a clip_grad_norm_ in between
             self.deferred[id(optimizer)] = (scaled_by, scaler._scale)
             return
         grads = {id(g) for g in args[0]}
@@ -390,8 +395,7 @@ class GradHealth(Monitor):
             if key not in self._previous_keys:
                 self.guard.emit(code, op="optimizer.step", **kwargs)
         self._previous_keys = keys
-        finite = all(math.isfinite(g.norm) for g in layers)
-        record["grad_norm"] = math.sqrt(sum(g.norm ** 2 for g in layers)) if finite else math.nan
+        record["grad_norm"] = total_norm(layers)
         if detailed and step % self.guard.thresholds.metrics_every == 0:
             record["layers"] = {g.name: g.to_json() for g in layers}
 
