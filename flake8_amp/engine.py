@@ -159,7 +159,7 @@ def build_module(tree: ast.Module, source: str, filename: str = "") -> nodes.Mod
     to scope locals here, as astroid would (star imports are left out: resolving them
     means importing the module).
     """
-    rebuilder = TreeRebuilder(AstroidManager(), source)
+    rebuilder = TreeRebuilder(AstroidManager(), data=source)
     module = rebuilder.visit_module(tree, "", filename or "<unknown>", False)
     for import_from, global_names in rebuilder._import_from_nodes:
         for name, alias in import_from.names:
