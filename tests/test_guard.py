@@ -257,3 +257,17 @@ def test_a_guard_entered_in_a_worker_thread_checks_that_thread():
     thread.join()
     assert found["codes"] == ["AMP004"]
     assert _get_current_function_mode_stack() == []
+
+
+def test_zero_grad_runs_unobserved_and_is_restored_on_exit():
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp_runtime.guard(policy="record"):
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        assert "zero_grad" in vars(optimizer)
+        optimizer.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    assert "zero_grad" not in vars(optimizer)
