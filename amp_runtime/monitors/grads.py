@@ -87,7 +87,7 @@ class GradSample:
     loss_scale: Optional[torch.Tensor] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class LayerGrad:
     """Host-side statistics of one parameter's gradient, on unscaled values."""
 
@@ -151,7 +151,7 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
 
 def total_norm(layers: Sequence[LayerGrad]) -> float:
     """The L2 norm over all gradients (NaN/Inf when any gradient is non-finite)."""
-    return math.sqrt(sum(g.norm ** 2 for g in layers))
+    return math.hypot(*(g.norm for g in layers))
 
 
 def layer_of(param_name: str) -> str:
@@ -172,17 +172,16 @@ def judge_gradients(
     if not layers:
         return []
     findings: List[Tuple[str, dict]] = []
-    nonfinite = [layer_of(g.name) for g in layers if not math.isfinite(g.norm)]
-    if nonfinite:
-        names = list(dict.fromkeys(nonfinite))
+    total = total_norm(layers)
+    if not math.isfinite(total):
+        names = list(dict.fromkeys(layer_of(g.name) for g in layers if not math.isfinite(g.norm)))
         findings.append(("AMP103", dict(
             where=_listing(names), module=names[0], details={"layers": names},
         )))
         return findings  # norms of non-finite gradients mean nothing
 
-    total = total_norm(layers)
-    largest = max(layers, key=lambda g: g.norm)
     if total > limits.grad_explosion:
+        largest = max(layers, key=lambda g: g.norm)
         p0 = total > limits.grad_explosion_p0
         limit = limits.grad_explosion_p0 if p0 else limits.grad_explosion
         findings.append(("AMP104", dict(
@@ -195,7 +194,7 @@ def judge_gradients(
             detail=f"total gradient norm {total:.3g} is below {limits.grad_vanishing_total:g}",
             details={"total_norm": total},
         )))
-    else:
+    elif min(g.norm for g in layers) < limits.grad_vanishing_layer:
         # A layer's L2 norm bounds every |g| in it: norm < limit implies max |g| < limit.
         layer_norm: Dict[str, float] = {}
         for g in layers:
@@ -211,7 +210,7 @@ def judge_gradients(
                 details={"layers": vanished, "total_norm": total},
             )))
 
-    if loss_scale is not None:
+    if loss_scale is not None and layers[0].max is not None:  # detailed step
         for g in layers:
             fraction = g.underflow_fraction
             if fraction is not None and fraction > limits.grad_underflow_fraction:
