@@ -106,9 +106,8 @@ class TinyEpsilon(Check):
         )
         if not _is_tiny(value):
             return
-        params = callee.argument(0, "params")
-        method, model = method_call(params) if isinstance(params, nodes.Call) else ("", None)
-        if method == "parameters" and model is not None and self._cast_to_fp16(node, model):
+        model = _parameters_owner(callee.argument(0, "params"), self.context.names)
+        if model is not None and self._cast_to_fp16(node, model):
             label = f"{value:g}" if given is not None else f"{value:g} (the default eps)"
             self.report(node, value=label)
 
@@ -135,3 +134,26 @@ def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.N
         if kw.arg == keyword:
             return kw.value
     return call.args[position] if position < len(call.args) else None
+
+
+def _parameters_owner(params: Optional[nodes.NodeNG], names) -> Optional[nodes.NodeNG]:
+    """``model`` in ``model.parameters()``, ``[p for p in model.parameters() if ...]``,
+    ``filter(fn, model.parameters())``, ``list(model.parameters())``, or a name bound to one."""
+    if isinstance(params, nodes.Name):
+        values = names.assigned_values(params) or []
+        return _parameters_owner(values[0], names) if len(values) == 1 else None
+    if isinstance(params, (nodes.ListComp, nodes.GeneratorExp)):
+        generator = params.generators[0]
+        same = isinstance(params.elt, nodes.Name) and isinstance(generator.target, nodes.AssignName)
+        if not same or params.elt.name != generator.target.name:
+            return None  # ``[p.float() for p in ...]`` builds new (fp32 master) tensors
+        return _parameters_owner(generator.iter, names)
+    if not isinstance(params, nodes.Call):
+        return None
+    method, receiver = method_call(params)
+    if method == "parameters":
+        return receiver
+    func = params.func
+    if isinstance(func, nodes.Name) and func.name in ("filter", "list") and params.args:
+        return _parameters_owner(params.args[-1], names)
+    return None

@@ -91,6 +91,16 @@ def rmsprop_default(model):
     return torch.optim.RMSprop(model.parameters(), lr=1e-3)  # AMP011
 
 
+def adam_over_trainable_parameters(model):
+    model = model.cuda().half()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    first = torch.optim.AdamW(trainable, lr=1e-4)  # AMP011
+    second = torch.optim.Adam(  # AMP011
+        filter(lambda p: p.requires_grad, model.parameters())
+    )
+    return first, second
+
+
 # ---------------------------------------------------------------- negatives
 
 
