@@ -215,3 +215,13 @@ def test_astroid_never_loads_torch():
     findings = list(AmpChecker(ast.parse(source), source.splitlines(True), "train.py").run())
     assert [message.split()[0] for _, _, message, _ in findings] == ["AMP003"]
     assert not [name for name in AstroidManager().astroid_cache if name.split(".")[0] == "torch"]
+
+
+@pytest.mark.parametrize(
+    "filename, expected",
+    [("test_train_loop.py", ["AMP001"]), ("train.py", ["AMP001"]), ("export_model.py", [])],
+)
+def test_file_names_marking_inference_code(tmp_path, flake8, filename, expected):
+    write(tmp_path, filename, ROLLOUT_CAST)
+    result = flake8(["--isolated", "--select=AMP", filename], cwd=tmp_path)
+    assert codes(result.stdout) == expected

@@ -5,9 +5,9 @@ about training steps ask here first. Code counts as inference when it runs under
 ``torch.no_grad()`` / ``torch.inference_mode()`` / ``torch.set_grad_enabled(False)`` (as
 ``with`` or decorator), when an enclosing function or class, or the file, is named with
 an inference word (export, infer, inference, predict, deploy, serve, generate, and the
-evaluation words below, plus ``--amp-inference-words``; whole words of snake_case or
-CamelCase names), or when its scope calls ``.eval()`` and never ``.train()`` /
-``.backward()`` (an evaluation script).
+evaluation and test words below, plus ``--amp-inference-words``; whole words of
+snake_case or CamelCase names; file names count only for the first group), or when its
+scope calls ``.eval()`` and never ``.train()`` / ``.backward()`` (an evaluation script).
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ INFERENCE_WORDS: FrozenSet[str] = frozenset(
     }
 )
 
+#: File names mark inference code only with these (``export_onnx.py``, ``predict.py``);
+#: evaluation words are too common in file names (``test_train.py``) to count there.
+FILE_INFERENCE_WORDS: FrozenSet[str] = frozenset(
+    {"export", "infer", "inference", "predict", "deploy", "serve", "serving", "generate", "demo"}
+)
+
 #: Words in function/class names that mark training code.
 TRAINING_WORDS: FrozenSet[str] = frozenset(
     {"train", "trainer", "training", "fit", "finetune", "pretrain"}
@@ -102,7 +108,8 @@ class GradContext:
         self.names = context.names
         self.words = INFERENCE_WORDS | context.options.inference_words
         stem = os.path.splitext(os.path.basename(context.filename or ""))[0]
-        self.file_is_inference = any(word in self.words for word in name_words(stem))
+        file_words = FILE_INFERENCE_WORDS | context.options.inference_words
+        self.file_is_inference = any(word in file_words for word in name_words(stem))
         self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
         self._training_scopes: Dict[nodes.NodeNG, bool] = {}
         self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
