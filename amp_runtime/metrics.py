@@ -32,6 +32,7 @@ SCALARS = ("step", "loss", "loss_scale", "skipped", "grad_norm")
 
 
 def _finite_or_none(value):
+    """NaN/Inf as JSON null (``json.dumps`` would write the non-standard ``NaN``)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

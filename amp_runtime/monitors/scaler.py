@@ -21,8 +21,8 @@ from torch.amp.grad_scaler import GradScaler, OptState
 from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.thresholds import Thresholds
 
-#: Frames searched upwards from a scaler kernel for the GradScaler method that called it.
-_FRAMES_TO_SCALER = 4
+#: Frames searched upwards from a handler or hook for the GradScaler method that called it.
+_FRAME_DEPTH = 8
 
 
 class LossScaleHistory:
@@ -105,7 +105,7 @@ def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer]
     scaler = optimizer = None
     still_scaled = False
     frame = sys._getframe(1)
-    for _ in range(_FRAMES_TO_SCALER + 4):
+    for _ in range(_FRAME_DEPTH):
         if frame is None:
             break
         local = frame.f_locals
@@ -124,7 +124,7 @@ def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer]
 def inside_scaler_step() -> bool:
     """Whether an enabled ``GradScaler.step`` called the running code (from an optimizer hook)."""
     frame = sys._getframe(1)
-    for _ in range(_FRAMES_TO_SCALER + 4):
+    for _ in range(_FRAME_DEPTH):
         if frame is None:
             return False
         scaler = frame.f_locals.get("self")
@@ -310,7 +310,7 @@ def watch_of(guard) -> Optional[ScalerWatch]:
     return next((m for m in guard.monitors if isinstance(m, ScalerWatch)), None)
 
 
-def called_from(names, filename_suffix: str, depth: int = 8) -> Optional[str]:
+def called_from(names, filename_suffix: str, depth: int = _FRAME_DEPTH) -> Optional[str]:
     """The name of the innermost calling function among ``names`` defined in a file ending with
     ``filename_suffix``, or None (a short frame walk, for handlers that fire rarely)."""
     frame = sys._getframe(1)
