@@ -18,13 +18,13 @@ is the no-scaler path.
 
 from __future__ import annotations
 
-import re
 import weakref
 from dataclasses import dataclass, replace
 from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from astroid import nodes
 
+from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import enclosing_class, is_self, keyword_value
 
 GRAD_SCALERS = frozenset(
@@ -48,9 +48,9 @@ _MAX_STATES = 64
 _AMP_FLAG_WORDS = frozenset(
     {"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"}
 )
-_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 _AMP_CONDITION = "<amp enabled>"
-_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
+#: Nodes whose bodies run at another time: analyses of a function skip them.
+NESTED_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
 
 
 def expression_key(expr: nodes.NodeNG) -> Optional[str]:
@@ -73,14 +73,11 @@ def method_call(call: nodes.Call) -> Tuple[str, Optional[nodes.NodeNG]]:
     return "", None
 
 
-def _words(identifier: str) -> List[str]:
-    return [word.lower() for word in _WORD.findall(identifier)]
-
-
 def _is_amp_flag(expr: nodes.NodeNG) -> bool:
     """``use_amp``, ``args.fp16``, ``self.scaler``, ``cfg.mixed_precision``..."""
     key = expression_key(expr)
-    return key is not None and bool(_AMP_FLAG_WORDS.intersection(_words(key.rsplit(".", 1)[-1])))
+    last = key.rsplit(".", 1)[-1] if key is not None else ""
+    return bool(_AMP_FLAG_WORDS.intersection(name_words(last)))
 
 
 def condition_key(test: nodes.NodeNG) -> Optional[Tuple[str, bool]]:
@@ -175,7 +172,7 @@ def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:
             continue
         stack.append((current, True))
         for child in reversed(list(current.get_children())):
-            if not isinstance(child, _SCOPES):
+            if not isinstance(child, NESTED_SCOPES):
                 stack.append((child, False))
 
 

@@ -17,11 +17,14 @@ from astroid import nodes
 
 from flake8_amp.analysis.names import names_in
 from flake8_amp.analysis.regions import BF16, FP16, Region
-from flake8_amp.analysis.scaler import calls_in_order, method_call, scaler_analysis
+from flake8_amp.analysis.scaler import (
+    NESTED_SCOPES,
+    calls_in_order,
+    method_call,
+    scaler_analysis,
+)
 from flake8_amp.engine import Check, mentions_autocast
 from flake8_amp.rules.amp008 import AUTOGRAD_BACKWARD
-
-_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
 
 
 class ScalerDtypeMismatch(Check):
@@ -119,7 +122,7 @@ def _own_nodes(scope: nodes.NodeNG, kind: type) -> Iterator[nodes.NodeNG]:
     stack = list(scope.get_children())
     while stack:
         node = stack.pop()
-        if isinstance(node, _SCOPES):
+        if isinstance(node, NESTED_SCOPES):
             continue
         if isinstance(node, kind):
             yield node
