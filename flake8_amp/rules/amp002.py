@@ -94,17 +94,19 @@ class LossOutsideAutocast(Check):
         return False
 
     def _forward_output(self, value: nodes.NodeNG) -> bool:
-        """``model(x)``, ``self.net(x)[0]``, ``x @ w``: low precision or a call that is not a
-        data move."""
+        """``model(x)``, ``self.net(x)[0]``, ``ddp_model(x)``, ``x @ w``: low precision, or
+        a call of a model (not a data move, not a library function or a loss)."""
         if is_low(self.context.dtypes.of(value)):
             return True
         core = _strip(value)
         if not isinstance(core, nodes.Call):
             return False
         callee = self.context.names.callee(core)
-        if callee is not None:
-            return False  # library calls (torch functions, loss modules...) are not forward passes
-        return simple_name(core.func) not in DATA_METHODS
+        if callee is None:
+            return simple_name(core.func) not in DATA_METHODS
+        # Library objects wrapping a model (``DDP(net)``, ``torch.compile(net)``) run its
+        # forward; library functions and loss modules do not.
+        return callee.instance and not callee.name.endswith("Loss")
 
 
 def _strip(expr: nodes.NodeNG) -> nodes.NodeNG:

@@ -142,6 +142,15 @@ def reshaped_after_block(model, x, y):
     return F.cross_entropy(output, y.view(-1))  # AMP002
 
 
+def wrapped_models(net, x, y, rank):
+    ddp_model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[rank])
+    compiled = torch.compile(net)
+    with torch.autocast("cuda"):
+        a = ddp_model(x)
+        b = compiled(x)
+    return F.cross_entropy(a, y) + F.cross_entropy(b, y)  # AMP002
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -275,3 +284,10 @@ def reshaped_and_upcast_after_block(model, x, y):
         output = model(x)
     output = output.view(-1, output.size(-1)).float()
     return F.cross_entropy(output, y.view(-1))
+
+
+def library_outputs_after_block(x, y, weight):
+    with torch.autocast("cuda"):
+        scores = torch.cat([x, y], dim=-1)
+        per_item = nn.CrossEntropyLoss(reduction="none")(scores.float(), y)
+    return F.mse_loss(per_item, torch.zeros_like(per_item)) + F.mse_loss(scores, weight)
