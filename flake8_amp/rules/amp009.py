@@ -2,13 +2,14 @@
 
 Every use is reported where it is spelled (through imports and module aliases, not
 through variables, so ``ac = torch.cuda.amp.autocast; ac()`` is one finding). A use is a
-call, a decorator, a ``functools.partial`` target or an alias assignment; comparisons,
-``isinstance`` checks and collections of the old classes (libraries that recognise both
-APIs) are not uses. Code that
-picks the API by torch version stays silent: a ``try`` that also tries ``torch.amp``
-(``except (AttributeError, ImportError, TypeError)``), either arm of an ``if``/conditional
-expression that tests the version (or ``hasattr``) or offers ``torch.amp`` in its other
-arm, and code after ``if <version test>: return <modern>``.
+call, a decorator, a ``functools.partial`` target, an alias assignment or a return value
+(a factory such as ``get_autocast(precision)``); comparisons, ``isinstance`` checks and
+collections of the old classes (libraries that recognise both APIs) are not uses.
+
+Code that picks the API by torch version stays silent: a ``try`` that also tries
+``torch.amp`` (``except (AttributeError, ImportError, TypeError)``), either arm of an
+``if``/conditional expression that tests the version (or ``hasattr``) or offers
+``torch.amp`` in its other arm, and code after ``if <version test>: return <modern>``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,14 @@ class DeprecatedAmpApi(Check):
             self.report(node, old=old, new=REPLACEMENTS[old])
 
     def _is_use(self, node: nodes.NodeNG) -> bool:
+        """Called, decorating, partial'ed, bound or returned (also as an ``x if c else y`` arm)."""
         parent = node.parent
+        if isinstance(parent, (nodes.IfExp, nodes.BoolOp)) and node is not getattr(
+            parent, "test", None
+        ):
+            return self._is_use(parent)
+        if isinstance(parent, nodes.Return):
+            return True
         if isinstance(parent, nodes.Call):
             if parent.func is node:
                 return True

@@ -121,6 +121,16 @@ class Config:
     scaler_class = torch.cuda.amp.GradScaler  # AMP009
 
 
+def get_autocast(precision):
+    if precision == "amp":
+        return torch.cuda.amp.autocast  # AMP009
+    return None
+
+
+def conditional_alias(use_amp):
+    return torch.cuda.amp.autocast if use_amp else None  # AMP009
+
+
 def partial_target():
     return functools.partial(torch.cuda.amp.autocast, dtype=torch.float16)  # AMP009
 
