@@ -1,9 +1,10 @@
 """AMP006 step-bypasses-scaler: optimizer.step() on scaled grads; scaler.step without update.
 
-Optimizers are recognised by name (``optimizer``, ``opt_d``, ``self.optim``; not schedulers or
-EMA objects); a step in the no-scaler arm of an ``if``, after a helper that received the
-scaler, or of an optimizer ``scaler.step`` already stepped is fine. ``scaler.step`` is judged
-within its function, or its class for ``self.<scaler>`` (update in another method is fine).
+Optimizers are recognised by their ``torch.optim`` class or by name (``optimizer``, ``opt_d``,
+``self.optim``; not schedulers or EMA objects). A plain step is fine in the no-scaler arm of
+an ``if``, after a helper that received the scaler, for an optimizer built around the
+scaler, or when ``scaler.step`` already stepped it. ``scaler.step`` needs an update later in
+its function, in another method (``self.<scaler>``), or in its caller (a scaler parameter).
 """
 
 from __future__ import annotations
