@@ -1,7 +1,7 @@
 """Robustness over real code: lint the whole CPython standard library and the installed
 torch package through the plugin, in-process on two worker processes.
 
-Part of the normal suite (it takes a minute or two on two cores): no file may crash the
+Part of the normal suite (about two minutes on two cores): no file may crash the
 checker or produce an AMP000 "could not analyse" line, except files Python itself
 cannot parse (flake8 reports those as E902/E999 and never calls the plugin).
 """
