@@ -310,16 +310,7 @@ class Guard:
     def _build_monitors(self) -> List[Monitor]:
         monitors = []
         for name in MONITOR_MODULES:
-            try:
-                module = importlib.import_module(name)
-            except ModuleNotFoundError as err:
-                if err.name == name:  # that part of the runtime is not installed
-                    continue
-                raise
-            contribute = getattr(module, "monitors", None)
-            if contribute is None:  # a module still being written
-                continue
-            for monitor in contribute(self):
+            for monitor in importlib.import_module(name).monitors(self):
                 if not monitor.codes or any(self.enabled(code) for code in monitor.codes):
                     monitors.append(monitor)
         return monitors
