@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import last_part, simple_name
+from flake8_amp.analysis.names import last_part
 from flake8_amp.analysis.scaler import HELPED, SCALED, UNSCALED, scaler_analysis
 from flake8_amp.engine import Check
 
@@ -31,8 +31,9 @@ class ClipBeforeUnscale(Check):
         return super().applies(source, options) and ".scale(" in source
 
     def visit_call(self, node: nodes.Call) -> None:
-        if not simple_name(node.func).startswith("clip_grad"):
-            return  # cheap test before name resolution
+        func = node.func
+        if isinstance(func, nodes.Attribute) and not func.attrname.startswith("clip_grad"):
+            return  # cheap test before name resolution (names may be import aliases)
         if self.context.names.qualname(node.func) not in CLIP_FUNCTIONS:
             return
         flow = scaler_analysis(self.context).flow(node)

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
-from flake8_amp.analysis.names import is_self, last_part, simple_name
+from flake8_amp.analysis.names import is_self, last_part
 from flake8_amp.analysis.scaler import method_call
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
@@ -203,7 +203,7 @@ class Fp16OverflowLiteral(Check):
         Tuple[str, Optional[nodes.NodeNG], Optional[nodes.NodeNG], Optional[nodes.NodeNG]]
     ]:
         """``(op, tensor filled, fill value, dtype=)`` of a fill call; None for other calls."""
-        if simple_name(node.func) not in FILL_NAMES:
+        if attribute_not_in(node.func, FILL_NAMES):
             return None  # cheap test before name resolution
         callee = self.context.names.callee(node)
         qualname = callee.qualname if callee is not None and not callee.instance else None
@@ -261,6 +261,11 @@ class Fp16OverflowLiteral(Check):
         if region is not None:
             return region.dtype != BF16
         return _in_model_code(node)
+
+
+def attribute_not_in(func: nodes.NodeNG, names: frozenset) -> bool:
+    """``func`` is ``x.<name>`` with a name outside ``names`` (bare names may be aliases)."""
+    return isinstance(func, nodes.Attribute) and func.attrname not in names
 
 
 def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.NodeNG]:

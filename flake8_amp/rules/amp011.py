@@ -14,11 +14,10 @@ from typing import Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import FP16
-from flake8_amp.analysis.names import simple_name
 from flake8_amp.analysis.scaler import calls_in_order, expression_key, method_call
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from flake8_amp.engine import Check
-from flake8_amp.rules.amp007 import numeric_constant
+from flake8_amp.rules.amp007 import attribute_not_in, numeric_constant
 
 #: Default ``eps`` of the optimizers that divide by ``sqrt(v) + eps``.
 OPTIMIZER_DEFAULT_EPS = {
@@ -76,7 +75,7 @@ class TinyEpsilon(Check):
         self, node: nodes.Call
     ) -> Optional[Tuple[nodes.NodeNG, Optional[nodes.NodeNG]]]:
         """``(tensor, epsilon)`` of ``x.add(eps)``, ``x.clamp(min=eps)``, ``torch.clamp(x, eps)``"""
-        if simple_name(node.func) not in ADD_METHODS | CLAMP_METHODS:
+        if attribute_not_in(node.func, ADD_METHODS | CLAMP_METHODS):
             return None  # cheap test before name resolution
         qualname = self.context.names.qualname(node.func)
         if qualname is None:
@@ -93,7 +92,7 @@ class TinyEpsilon(Check):
         return None
 
     def _check_optimizer(self, node: nodes.Call) -> None:
-        if simple_name(node.func) not in OPTIMIZER_NAMES:
+        if attribute_not_in(node.func, OPTIMIZER_NAMES):
             return
         callee = self.context.names.callee(node)
         if callee is None or callee.instance or callee.qualname not in OPTIMIZER_DEFAULT_EPS:
