@@ -271,3 +271,17 @@ def test_zero_grad_runs_unobserved_and_is_restored_on_exit():
         optimizer.zero_grad()
         assert all(p.grad is None for p in model.parameters())
     assert "zero_grad" not in vars(optimizer)
+
+
+def test_meta_empty_and_sparse_tensors_pass_through_every_check():
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        layer = nn.Linear(4, 4, device="meta")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(torch.empty(2, 4, device="meta", dtype=torch.float16))
+        out.float().sum().backward()
+        empty = torch.empty(0, dtype=torch.float16)
+        (empty + empty).sum()
+        torch.eye(3, dtype=torch.float16).to_sparse() * 2
+        g.step()
+    assert out.is_meta
+    assert [e.code for e in g.report if e.code.startswith("AMP1")] == []

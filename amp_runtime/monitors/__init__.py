@@ -84,6 +84,17 @@ def peak(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor.detach(), float("inf"))
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is enabled for the device type (False where autocast does not
+    exist, e.g. ``meta``, instead of torch's error)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """A tensor with values a check can reduce (not empty, sparse, nested or meta)."""
+    return tensor.numel() > 0 and not (tensor.is_sparse or tensor.is_nested or tensor.is_meta)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

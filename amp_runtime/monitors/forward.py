@@ -25,7 +25,16 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from ..monitors import LOW_PRECISION, Monitor, OpHandler, dtype_name, peak, tensors_in
+from ..monitors import (
+    LOW_PRECISION,
+    Monitor,
+    OpHandler,
+    autocast_on,
+    dtype_name,
+    peak,
+    readable,
+    tensors_in,
+)
 from ..tracking import user_source
 
 
@@ -132,11 +141,9 @@ class ForwardMonitor(Monitor):
     def _check_output(self, func, args, kwargs, out) -> None:
         for tensor in tensors_in(out):
             dtype = tensor.dtype
-            if dtype not in LOW_PRECISION and not (
-                dtype == torch.float32 and torch.is_autocast_enabled(tensor.device.type)
-            ):
+            if dtype not in LOW_PRECISION and dtype != torch.float32 or not readable(tensor):
                 continue
-            if not tensor.numel() or tensor.is_sparse:
+            if dtype == torch.float32 and not autocast_on(tensor.device.type):
                 continue
             out_max = peak(tensor)
             if out_max.device.type != "cpu":
@@ -198,7 +205,7 @@ class ForwardMonitor(Monitor):
     def _check_loss(self, func, args, kwargs) -> None:
         roots = args[0] if args else kwargs.get("tensors", ())
         for loss in tensors_in(roots):
-            if loss.is_floating_point() and loss.numel():
+            if loss.is_floating_point() and readable(loss):
                 self.readings.submit(peak(loss),
                                      lambda values, where: self._judge_loss(values[0], where))
 
@@ -215,7 +222,7 @@ class ForwardMonitor(Monitor):
         a, b = args[0], args[1]
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return
-        if a.dtype not in LOW_PRECISION or b.dtype != a.dtype:
+        if a.dtype not in LOW_PRECISION or b.dtype != a.dtype or not (readable(a) and readable(b)):
             return
         a, b = a.detach(), b.detach()
         total = torch.add(a, b)
@@ -241,6 +248,8 @@ class ForwardMonitor(Monitor):
             return
         source = args[0]
         if not isinstance(source, torch.Tensor) or source.dtype not in LOW_PRECISION:
+            return
+        if not readable(source):
             return
         if not self._sampled():
             return

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..monitors import LOW_PRECISION, Monitor, OpHandler, dtype_name
+from ..monitors import LOW_PRECISION, Monitor, OpHandler, autocast_on, dtype_name
 
 LOSS_FUNCTIONS = (
     F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
@@ -27,7 +27,7 @@ class LossOutsideAutocast(Monitor):
         prediction = args[0] if args else kwargs.get("input")
         if not isinstance(prediction, torch.Tensor) or prediction.dtype not in LOW_PRECISION:
             return
-        if torch.is_autocast_enabled(prediction.device.type):
+        if autocast_on(prediction.device.type):
             return
         if prediction.requires_grad and torch.is_grad_enabled():
             self.guard.emit("AMP002", op=func, loss=func.__name__,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..monitors import Monitor, OpHandler
+from ..monitors import Monitor, OpHandler, autocast_on
 
 
 class BceUnderAutocast(Monitor):
@@ -22,7 +22,7 @@ class BceUnderAutocast(Monitor):
         probabilities = args[0] if args else kwargs.get("input")
         if not isinstance(probabilities, torch.Tensor):
             return
-        if torch.is_autocast_enabled(probabilities.device.type):
+        if autocast_on(probabilities.device.type):
             self.guard.emit("AMP003", op=func, func="binary_cross_entropy")
 
 

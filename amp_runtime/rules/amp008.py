@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..monitors import Monitor, OpHandler, tensors_in
+from ..monitors import Monitor, OpHandler, autocast_on, tensors_in
 
 BACKWARD_FUNCTIONS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
@@ -21,7 +21,7 @@ class BackwardUnderAutocast(Monitor):
     def _check(self, func, args, kwargs) -> None:
         roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs", ()))
         devices = {t.device.type for t in tensors_in(roots)}
-        if any(torch.is_autocast_enabled(device) for device in devices):
+        if any(autocast_on(device) for device in devices):
             self.guard.emit("AMP008", op="backward")
 
 
