@@ -280,8 +280,7 @@ def test_calls_in_order_is_evaluation_order_and_skips_nested_scopes():
 
 
 def test_method_that_unscales_is_a_helper():
-    flow = flow_of(
-        """
+    flow = flow_of("""
         import torch
         class Trainer:
             def __init__(self):
@@ -296,15 +295,13 @@ def test_method_that_unscales_is_a_helper():
                 clip(opt)
                 self._unscale(opt)
                 clip(opt)
-        """
-    )
+        """)
     assert flow.phases_before(call(flow, "clip(opt)", 0)) == {SCALED}
     assert flow.phases_before(call(flow, "clip(opt)", 1)) == {HELPED}
 
 
 def test_scaler_updated_by_the_caller_or_another_method():
-    module = module_of(
-        """
+    module = module_of("""
         import torch
         def helper(scaler, opt):
             scaler.unscale_(opt)
@@ -323,14 +320,20 @@ def test_scaler_updated_by_the_caller_or_another_method():
                 self.scaler.step(opt)
             def end(self):
                 self.scaler.update()
-        """
-    )
+        GLOBAL_SCALER = torch.amp.GradScaler("cuda")
+        def global_step(opt):
+            GLOBAL_SCALER.step(opt)
+        def main(opt):
+            global_step(opt)
+            GLOBAL_SCALER.update()
+        """)
     analysis = scaler_analysis(Context(module))
     receivers = {
         c.scope().name: c.func.expr
         for c in module.nodes_of_class(nodes.Call)
-        if c.as_string() in ("scaler.step(opt)", "self.scaler.step(opt)")
+        if c.as_string() in ("scaler.step(opt)", "self.scaler.step(opt)", "GLOBAL_SCALER.step(opt)")
     }
     assert analysis.updated_elsewhere(receivers["helper"])
     assert not analysis.updated_elsewhere(receivers["orphan"])
     assert analysis.updated_elsewhere(receivers["step"])
+    assert analysis.updated_elsewhere(receivers["global_step"])

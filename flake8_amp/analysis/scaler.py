@@ -476,7 +476,8 @@ class ScalerAnalysis:
 
     def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
         """The scaler comes from outside the function and is updated there: ``self.<scaler>``
-        updated in another method of the class, or a parameter updated by a caller."""
+        updated in another method of the class, a module-level scaler updated anywhere in
+        the module, or a parameter updated by a caller."""
         if isinstance(scaler, nodes.Attribute) and is_self(scaler.expr):
             classdef = enclosing_class(scaler)
             return classdef is not None and any(
@@ -492,6 +493,15 @@ class ScalerAnalysis:
                 if _called_name(call) == function.name
             }
             return any(self._updates_a_scaler(caller) for caller in callers)
+        if isinstance(scaler, nodes.Name) and _is_global(scaler, self.names):
+            module = self.context.module
+            scopes = [module, *module.nodes_of_class(nodes.FunctionDef)]
+            return any(
+                method == "update" and expression_key(receiver) == scaler.name
+                for scope in scopes
+                if scope is not scaler.scope()
+                for method, receiver in map(method_call, calls_in_order(scope))
+            )
         return False
 
     def _updates_a_scaler(self, scope: nodes.NodeNG) -> bool:
@@ -501,6 +511,12 @@ class ScalerAnalysis:
             for method, receiver in map(method_call, calls_in_order(scope))
             if receiver is not None
         )
+
+
+def _is_global(name: nodes.Name, names) -> bool:
+    """``name`` (used in a function) is bound at module level only."""
+    bindings = names.bindings(name)
+    return bool(bindings) and all(isinstance(b.scope(), nodes.Module) for b in bindings)
 
 
 def _called_name(call: nodes.Call) -> str:
