@@ -5,12 +5,15 @@ small closure that runs the ``before`` handlers, the op and the ``after`` handle
 Functions absent from the table go straight through. When per-op tracing is on, a
 tracer (an ``after`` handler) is added to every entry and used for every other function.
 
-The mode stack is per thread: ops run by other threads are not seen.
+The mode stack is per thread: ops run by other threads are not seen. Code compiled with
+``torch.compile`` runs unchecked: while dynamo traces, the handlers step aside so that
+they neither enter the graph nor break it.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from torch.compiler import is_compiling
 from torch.overrides import (
     TorchFunctionMode,
     _get_current_function_mode_stack,
@@ -28,6 +31,8 @@ def _entry(befores: List[Before], afters: List[After]) -> Entry:
     befores, afters = tuple(befores), tuple(afters)
 
     def run(func, args, kwargs):
+        if is_compiling():  # torch.compile traces this mode: stay out of its graph
+            return func(*args, **kwargs)
         for before in befores:
             before(func, args, kwargs)
         out = func(*args, **kwargs)

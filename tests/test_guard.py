@@ -285,3 +285,20 @@ def test_meta_empty_and_sparse_tensors_pass_through_every_check():
         g.step()
     assert out.is_meta
     assert [e.code for e in g.report if e.code.startswith("AMP1")] == []
+
+
+def test_compiled_code_runs_unchecked_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = small_model()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    with amp_runtime.guard(policy="record", trace="always"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            guarded = compiled(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(guarded, model(x))
+    assert not counters["graph_break"]
+    assert _get_current_function_mode_stack() == []
