@@ -11,7 +11,7 @@ Schema (one line per step, in step order)::
                                      "underflow_fraction": float | null}}}
 
 ``layers`` (unscaled per-parameter max |g|, L2 norm, fraction of exact zeros, fraction of
-nonzero values that flush to zero in fp16 at the loss scale) is present on steps where per-layer
+values that are zero or flush to zero in fp16 at the loss scale) is present on steps where per-layer
 statistics were collected: every ``Thresholds.metrics_every`` steps that were not skipped.
 """
 from __future__ import annotations

@@ -264,7 +264,8 @@ _RULES: Tuple[Rule, ...] = (
     ),
     _rule(
         "AMP106", "grad-underflow", "P1", (RUNTIME,),
-        "{fraction:.1%} of {layer}'s nonzero gradients flush to zero in fp16 at loss scale {scale:g}",
+        "{fraction:.1%} of {layer}'s gradients are zero or flush to zero in fp16 "
+        "at loss scale {scale:g}",
         "raise the loss scale (init_scale) or use bf16",
         "gradients underflowing fp16 at the current loss scale",
         """Gradients smaller than fp16's smallest subnormal (5.96e-8) after scaling

@@ -16,8 +16,13 @@ def reference_row(grads, scale):
     rows = []
     for g in grads:
         g = g.float()
-        survives = ((g * scale).half() != 0).sum().item() if scale is not None else math.nan
-        rows.append((g.norm().item(), g.abs().max().item(), (g != 0).sum().item(), survives))
+        survives = normal = math.nan
+        if scale is not None:
+            in_fp16 = (g * scale).half()
+            survives = (in_fp16 != 0).sum().item()
+            normal = (in_fp16.abs() >= torch.finfo(torch.float16).tiny).sum().item()
+        nonzero = (g != 0).sum().item()
+        rows.append((g.norm().item(), g.abs().max().item(), nonzero, survives, normal))
     return rows
 
 
@@ -32,16 +37,16 @@ def test_fused_stats_match_per_tensor_reference(scale):
         torch.randn(8, 8).half(),
     ]
     stats = gradient_stats(grads, None if scale is None else torch.tensor(scale))
-    assert stats.shape == (4, len(grads)) and stats.dtype == torch.float32
+    assert stats.shape == (5, len(grads)) and stats.dtype == torch.float32
     for column, expected in enumerate(reference_row(grads, scale)):
         got = stats[:, column].tolist()
         assert got[0] == pytest.approx(expected[0], rel=1e-5)
         assert got[1] == pytest.approx(expected[1], rel=1e-6)
         assert got[2] == expected[2]
         if scale is None:
-            assert math.isnan(got[3])
+            assert math.isnan(got[3]) and math.isnan(got[4])
         else:
-            assert got[3] == expected[3]
+            assert got[3:] == list(expected[3:])
 
 
 def test_flush_limit_is_where_float16_rounds_to_zero():
@@ -117,17 +122,24 @@ def test_judge_total_vanishing():
     assert "total gradient norm" in kw["detail"]
 
 
-def test_judge_underflow_counts_only_nonzero_values_that_would_flush():
-    tiny = torch.full((90,), 1e-13)  # times 1024 is ~1e-10: flushes in fp16
-    healthy = torch.full((900,), 1e-2)
-    grads = {"a.weight": torch.cat([tiny, healthy]),
-             "b.weight": torch.cat([torch.zeros(500), healthy])}
+def test_judge_underflow_counts_zeros_only_where_gradients_reach_the_fp16_floor():
+    flushed = torch.zeros(40)  # flushed to zero in the fp16 backward
+    tiny = torch.full((50,), 1e-13)  # times 1024 is ~1e-10: would flush in fp16
+    subnormal = torch.full((100,), 1e-9)  # times 1024 is ~1e-6: an fp16 subnormal
+    healthy = torch.full((800,), 1e-2)
+    grads = {
+        "a.weight": torch.cat([flushed, tiny, subnormal, healthy]),
+        # as many zeros, but the rest is far above the floor: dead units, not underflow
+        "b.weight": torch.cat([torch.zeros(500), healthy]),
+    }
     layers, scale = read_samples([sample(grads, scale=1024.0)])
     found = [kw for code, kw in judge_gradients(layers, scale, Thresholds()) if code == "AMP106"]
     assert [kw["layer"] for kw in found] == ["a.weight"]
     assert found[0]["fraction"] == pytest.approx(90 / 990) and found[0]["scale"] == 1024.0
-    assert layers[1].zero_fraction == pytest.approx(500 / 1400)
-    assert layers[1].underflow_fraction == 0.0
+    assert layers[0].subnormal_fraction == pytest.approx(100 / 990)
+    assert layers[1].zero_fraction == pytest.approx(500 / 1300)
+    assert layers[1].underflow_fraction == pytest.approx(500 / 1300)
+    assert layers[1].subnormal_fraction == 0.0
 
 
 def test_judge_nonfinite_grad_hides_norm_findings():
@@ -337,3 +349,20 @@ def test_unscaled_inf_gradients_the_optimizer_applies_directly_are_amp103():
         opt.step()  # noqa: AMP006 - the scaler found inf, but nothing skips this step
     (event,) = g.report.by_code("AMP103")
     assert event.step == 0 and g.step_index == 1
+
+
+def test_too_small_loss_scale_reports_the_underflowing_layer_by_name():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)  # far too little loss scaling
+    with amp_runtime.guard(policy="record") as g:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(64, 256)).mean() * 1e-4
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    (event,) = g.report.by_code("AMP106")
+    assert event.module == "0" and event.details["parameter"] == "0.weight"
+    assert event.details["loss_scale"] == 8.0 and event.step == 0
+    assert "zero or flush to zero in fp16 at loss scale 8" in event.message

@@ -37,12 +37,14 @@ from amp_runtime.thresholds import Thresholds
 
 #: A value whose magnitude is at most this rounds to zero in float16 (round-to-nearest-even).
 FP16_FLUSH_LIMIT = FP16_TINY_SUBNORMAL / 2
+#: float16's smallest normal number (2**-14); below it values lose precision, then flush.
+FP16_MIN_NORMAL = 2.0 ** -14
 
 #: How many layer names a message lists before "…".
 _NAMES_IN_MESSAGE = 5
 
 #: Rows of the statistics tensor.
-NORM, MAX, NONZERO, SURVIVES = range(4)
+NORM, MAX, NONZERO, SURVIVES, NORMAL = range(5)
 
 
 def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Tensor] = None,
@@ -50,10 +52,11 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
     """Per-gradient statistics of same-device ``grads`` as one float32 tensor, without a host sync.
 
     Row ``NORM``: the L2 norm (NaN/Inf propagate), one fused pass. When ``detailed``, also ``MAX``
-    (max |g|), ``NONZERO`` (number of nonzero elements) and ``SURVIVES``: given ``loss_scale`` — the
-    factor the gradients would be multiplied by in an fp16 backward, a device tensor — the number of
-    elements whose value times ``loss_scale`` survives the cast to float16 (NaN without a scale).
-    Shape ``(4, n)`` when detailed, else ``(1, n)``.
+    (max |g|), ``NONZERO`` (number of nonzero elements), and given ``loss_scale`` — the factor the
+    gradients would be multiplied by in an fp16 backward, a device tensor — ``SURVIVES`` and
+    ``NORMAL``: the number of elements whose value times ``loss_scale`` survives the cast to
+    float16, and is a normal (not subnormal) float16 (NaN without a scale). Shape ``(5, n)`` when
+    detailed, else ``(1, n)``.
     """
     grads = list(grads)
     with torch.no_grad():
@@ -62,15 +65,18 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
             columns += torch._foreach_norm(grads, math.inf, dtype=torch.float32)
             columns += torch._foreach_norm(grads, 0, dtype=torch.float32)
             if loss_scale is None:
-                columns += [torch.full((), math.nan, device=grads[0].device)] * len(grads)
+                columns += [torch.full((), math.nan, device=grads[0].device)] * (2 * len(grads))
             else:
-                # |g * scale| - limit > 0 <=> the scaled value survives; an L0 norm counts them
+                # |g * scale| - limit > 0 <=> the scaled value is above limit; L0 norms count them
                 scale = loss_scale.to(grads[0].device)
                 magnitude = torch._foreach_mul([g.float() for g in grads], scale)
                 torch._foreach_abs_(magnitude)
+                normal = torch._foreach_sub(magnitude, FP16_MIN_NORMAL)
+                torch._foreach_clamp_min_(normal, 0.0)
                 torch._foreach_sub_(magnitude, FP16_FLUSH_LIMIT)
                 torch._foreach_clamp_min_(magnitude, 0.0)
                 columns += torch._foreach_norm(magnitude, 0, dtype=torch.float32)
+                columns += torch._foreach_norm(normal, 0, dtype=torch.float32)
         return torch.stack(columns).reshape(-1, len(grads))
 
 
@@ -98,8 +104,10 @@ class LayerGrad:
     max: Optional[float]
     #: Fraction of exact zeros.
     zero_fraction: Optional[float]
-    #: Fraction of the nonzero elements that flush to zero in fp16 at the loss scale.
+    #: Fraction of the elements that are zero or flush to zero in fp16 at the loss scale.
     underflow_fraction: Optional[float]
+    #: Fraction of the elements that are fp16 subnormals at the loss scale (precision already lost).
+    subnormal_fraction: Optional[float] = None
 
     def to_json(self) -> Dict[str, Optional[float]]:
         return {
@@ -130,13 +138,14 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
         rows = [host[offset + r * n: offset + (r + 1) * n] for r in range(sample.stats.shape[0])]
         offset += len(rows) * n
         for i, (name, numel) in enumerate(zip(sample.names, sample.numels)):
-            largest = zero_fraction = underflow = None
-            if len(rows) > 1:
+            largest = zero_fraction = underflow = subnormal = None
+            if len(rows) > 1 and numel:
                 largest = rows[MAX][i] / factor
-                nonzero, survives = rows[NONZERO][i], rows[SURVIVES][i]
-                zero_fraction = 1.0 - nonzero / numel if numel else 0.0
+                survives, normal = rows[SURVIVES][i], rows[NORMAL][i]
+                zero_fraction = 1.0 - rows[NONZERO][i] / numel
                 if not math.isnan(survives):
-                    underflow = (nonzero - survives) / nonzero if nonzero else 0.0
+                    underflow = 1.0 - survives / numel
+                    subnormal = (survives - normal) / numel
             layers.append(LayerGrad(
                 name=name,
                 numel=numel,
@@ -144,6 +153,7 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
                 max=largest,
                 zero_fraction=zero_fraction,
                 underflow_fraction=underflow,
+                subnormal_fraction=subnormal,
             ))
     known_scales = [s for s in scales if not math.isnan(s)]
     return layers, (known_scales[-1] if known_scales else None)
@@ -212,8 +222,11 @@ def judge_gradients(
 
     if loss_scale is not None and layers[0].max is not None:  # detailed step
         for g in layers:
-            fraction = g.underflow_fraction
-            if fraction is not None and fraction > limits.grad_underflow_fraction:
+            # Zeros count only in a layer whose gradients reach fp16's subnormal floor at this
+            # scale: there they are flushed values; elsewhere (dead units, unused embedding rows)
+            # they are structural.
+            fraction, limit = g.underflow_fraction, limits.grad_underflow_fraction
+            if fraction is not None and fraction > limit and g.subnormal_fraction > limit:
                 findings.append(("AMP106", dict(
                     fraction=fraction, layer=g.name, scale=loss_scale, module=layer_of(g.name),
                     details={"parameter": g.name, "loss_scale": loss_scale,
