@@ -33,9 +33,6 @@ class Thresholds:
     auto_quiet_steps: int = 50
     #: metrics.jsonl: per-layer gradient statistics every this many steps.
     metrics_every: int = 1
-    #: AMP106 and per-layer zero fractions need two extra passes over the gradients: every this many
-    #: steps (and on every metrics.jsonl step when logging).
-    grad_detail_every: int = 16
 
     def __post_init__(self):
         for f in fields(self):
@@ -44,6 +41,6 @@ class Thresholds:
                 raise ValueError(f"Thresholds.{f.name} must be a non-negative number, got {value!r}")
         if self.grad_explosion_p0 < self.grad_explosion:
             raise ValueError("Thresholds.grad_explosion_p0 must be >= grad_explosion")
-        for name in ("sample_every", "overflow_window", "metrics_every", "grad_detail_every", "scale_decline_consecutive"):
+        for name in ("sample_every", "overflow_window", "metrics_every", "scale_decline_consecutive"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Thresholds.{name} must be >= 1")

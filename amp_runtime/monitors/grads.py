@@ -12,7 +12,7 @@ Where the gradients are read:
 
 The statistics of one set of gradients are ``torch._foreach_*`` kernels (fused over all parameters)
 producing one small tensor: every step only the per-parameter L2 norms (one pass: non-finite values,
-total norm, vanishing layers), every ``Thresholds.grad_detail_every`` steps and on logged steps also
+total norm, vanishing layers), every ``DETAIL_EVERY`` steps and on logged steps also
 max |g|, nonzero counts and fp16 underflow counts. They stay on the device until the step ends,
 where all of a step's samples are read with one host transfer. Gradient accumulation is judged once
 per step because samples are taken where the optimizer consumes the gradients, not at backward.
@@ -39,6 +39,10 @@ from amp_runtime.thresholds import Thresholds
 FP16_FLUSH_LIMIT = FP16_TINY_SUBNORMAL / 2
 #: float16's smallest normal number (2**-14); below it values lose precision, then flush.
 FP16_MIN_NORMAL = 2.0 ** -14
+
+#: Steps between detailed statistics (max |g|, zeros, fp16 underflow: AMP106), which take a few
+#: more passes over the gradients; steps logged to metrics.jsonl are always detailed.
+DETAIL_EVERY = 16
 
 #: How many layer names a message lists before "…".
 _NAMES_IN_MESSAGE = 5
@@ -381,7 +385,7 @@ class GradHealth(Monitor):
         guard, limits = self.guard, self.guard.thresholds
         step = guard.step_index
         logged = guard.log_dir is not None and step % limits.metrics_every == 0
-        return logged or step % limits.grad_detail_every == 0
+        return logged or step % DETAIL_EVERY == 0
 
     # -- judgement ---------------------------------------------------------------------
 

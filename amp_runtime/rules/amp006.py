@@ -49,8 +49,10 @@ class StepBypassesScaler(Monitor):
             return
         watch = watch_of(guard)
         for state in watch.scaled_pending() if watch is not None else ():
+            if state.stage(optimizer) is not OptState.READY:
+                continue
             known = not state.optimizers or optimizer in state.optimizers
-            if known and state.stage(optimizer) is OptState.READY and not inside_scaler_step():
+            if known and not inside_scaler_step():
                 if self._once_per_step("step"):
                     guard.emit("AMP006", op=f"{type(optimizer).__name__}.step", detail=(
                         f"{type(optimizer).__name__}.step() runs on gradients GradScaler scaled "
