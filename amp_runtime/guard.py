@@ -389,7 +389,8 @@ class Guard:
     def _record(self, event: Event) -> None:
         self.report.add(event)
         if self._events_file is not None:
-            self._events_file.write(json.dumps(event.to_json()) + "\n")
+            # default=str: a monitor's detail that JSON cannot hold must not fail the op
+            self._events_file.write(json.dumps(event.to_json(), default=str) + "\n")
             self._events_file.flush()
 
     def _apply_policy(self, event: Event) -> None:
