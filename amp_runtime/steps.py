@@ -70,7 +70,7 @@ class StepDetector(Monitor):
             self._end_step()
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
-        if not self._automatic() or self._through_scaler(optimizer):
+        if not self._automatic() or inside_scaler_step():  # scaler.update() ends that step
             return
         if id(optimizer) in self._stepped:  # a new iteration began before the cycle completed
             self._end_step(by_optimizer=True)
@@ -80,7 +80,7 @@ class StepDetector(Monitor):
             self._joined_ended_step = self._ended_by_optimizer and not self._backward_since_step
 
     def _optimizer_step_ends(self, optimizer, args, kwargs):
-        if not self._automatic() or self._through_scaler(optimizer):
+        if not self._automatic() or inside_scaler_step():
             return
         self._stepped.add(id(optimizer))
         if self._last_in_cycle is None or self._last_in_cycle() is not optimizer:
@@ -90,11 +90,6 @@ class StepDetector(Monitor):
             self._stepped.clear()
         else:
             self._end_step(by_optimizer=True)
-
-    @staticmethod
-    def _through_scaler(optimizer) -> bool:
-        """Whether a GradScaler is stepping this optimizer (its update() will end the step)."""
-        return inside_scaler_step()
 
 
 def monitors(guard):
