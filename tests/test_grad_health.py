@@ -76,7 +76,7 @@ def sample(named_grads, scale=None, scaled=False):
     flush_factor = torch.tensor(1.0) if scaled else scale_tensor
     return GradSample(
         names=list(named_grads),
-        numels=[g.numel() for g in grads],
+        shapes=[g.shape for g in grads],
         stats=gradient_stats(grads, flush_factor),
         scaled_by=scale_tensor if scaled else None,
         loss_scale=scale_tensor,
@@ -127,19 +127,23 @@ def test_judge_underflow_counts_zeros_only_where_gradients_reach_the_fp16_floor(
     tiny = torch.full((50,), 1e-13)  # times 1024 is ~1e-10: would flush in fp16
     subnormal = torch.full((100,), 1e-9)  # times 1024 is ~1e-6: an fp16 subnormal
     healthy = torch.full((800,), 1e-2)
+    underflowing = torch.cat([flushed, tiny, subnormal, healthy])
     grads = {
-        "a.weight": torch.cat([flushed, tiny, subnormal, healthy]),
+        "a.weight": underflowing.reshape(99, 10),
+        # the same values in a 1-D parameter: sums over the batch, zeros mostly structural
+        "a.bias": underflowing,
         # as many zeros, but the rest is far above the floor: dead units, not underflow
-        "b.weight": torch.cat([torch.zeros(500), healthy]),
+        "b.weight": torch.cat([torch.zeros(500), healthy]).reshape(130, 10),
     }
     layers, scale = read_samples([sample(grads, scale=1024.0)])
     found = [kw for code, kw in judge_gradients(layers, scale, Thresholds()) if code == "AMP106"]
     assert [kw["layer"] for kw in found] == ["a.weight"]
     assert found[0]["fraction"] == pytest.approx(90 / 990) and found[0]["scale"] == 1024.0
-    assert layers[0].subnormal_fraction == pytest.approx(100 / 990)
-    assert layers[1].zero_fraction == pytest.approx(500 / 1300)
-    assert layers[1].underflow_fraction == pytest.approx(500 / 1300)
-    assert layers[1].subnormal_fraction == 0.0
+    by_name = {g.name: g for g in layers}
+    assert by_name["a.weight"].subnormal_fraction == pytest.approx(100 / 990)
+    dead = by_name["b.weight"]
+    assert dead.zero_fraction == pytest.approx(500 / 1300)
+    assert dead.underflow_fraction == pytest.approx(500 / 1300) and dead.subnormal_fraction == 0.0
 
 
 def test_judge_nonfinite_grad_hides_norm_findings():

@@ -89,7 +89,7 @@ class GradSample:
     """Device-side statistics of one set of gradients, waiting for the step's single host read."""
 
     names: List[str]
-    numels: List[int]
+    shapes: List[torch.Size]
     stats: torch.Tensor
     #: The gradients were still multiplied by this loss scale when sampled (None: unscaled).
     scaled_by: Optional[torch.Tensor] = None
@@ -103,6 +103,7 @@ class LayerGrad:
 
     name: str
     numel: int
+    ndim: int
     norm: float
     #: These three are None on steps without detailed statistics.
     max: Optional[float]
@@ -141,7 +142,8 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
         n = len(sample.names)
         rows = [host[offset + r * n: offset + (r + 1) * n] for r in range(sample.stats.shape[0])]
         offset += len(rows) * n
-        for i, (name, numel) in enumerate(zip(sample.names, sample.numels)):
+        for i, (name, shape) in enumerate(zip(sample.names, sample.shapes)):
+            numel = shape.numel()
             largest = zero_fraction = underflow = subnormal = None
             if len(rows) > 1 and numel:
                 largest = rows[MAX][i] / factor
@@ -153,6 +155,7 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
             layers.append(LayerGrad(
                 name=name,
                 numel=numel,
+                ndim=len(shape),
                 norm=rows[NORM][i] / factor,
                 max=largest,
                 zero_fraction=zero_fraction,
@@ -226,11 +229,15 @@ def judge_gradients(
 
     if loss_scale is not None and layers[0].max is not None:  # detailed step
         for g in layers:
-            # Zeros count only in a layer whose gradients reach fp16's subnormal floor at this
-            # scale: there they are flushed values; elsewhere (dead units, unused embedding rows)
-            # they are structural.
+            # Judged on weight matrices and kernels, whose gradients an fp16 matmul/conv computes;
+            # 1-D parameters get sums over the batch, and their zeros are mostly structural (an
+            # attention key bias has no gradient by construction). Zeros count only where the
+            # gradients reach fp16's subnormal floor at this scale: elsewhere (dead units, unused
+            # embedding rows) they are structural too.
             fraction, limit = g.underflow_fraction, limits.grad_underflow_fraction
-            if fraction is not None and fraction > limit and g.subnormal_fraction > limit:
+            if g.ndim < 2 or fraction is None:
+                continue
+            if fraction > limit and g.subnormal_fraction > limit:
                 findings.append(("AMP106", dict(
                     fraction=fraction, layer=g.name, scale=loss_scale, module=layer_of(g.name),
                     details={"parameter": g.name, "loss_scale": loss_scale,
@@ -320,7 +327,7 @@ class GradHealth(Monitor):
                     stats = self._norms_reusing_clip(grads)
             self.pending.append(GradSample(
                 names=self.names.names(device_params),
-                numels=[g.numel() for g in grads],
+                shapes=[g.shape for g in grads],
                 stats=stats,
                 scaled_by=scaled_by,
                 loss_scale=loss_scale,
