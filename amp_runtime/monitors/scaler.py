@@ -99,26 +99,30 @@ class LossScaleHistory:
         return [("AMP109", dict(skipped=count, window=window, details=details))]
 
 
+#: GradScaler methods that run the scaler kernels (their frames hold ``self`` and ``optimizer``).
+_SCALER_METHODS = frozenset({"_unscale_grads_", "unscale_", "_check_inf_per_device", "update"})
+#: GradScaler methods that call ``optimizer.step``.
+_STEPPING_METHODS = frozenset({"step", "_maybe_opt_step"})
+
+
 def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer], bool]:
     """From inside a scaler kernel's handler: the GradScaler running it, the optimizer whose
     gradients it processes, and whether they stay scaled (``_check_inf_per_device`` only checks)."""
-    scaler = optimizer = None
-    still_scaled = False
+    optimizer = None
     frame = sys._getframe(1)
     for _ in range(_FRAME_DEPTH):
         if frame is None:
             break
-        local = frame.f_locals
-        if frame.f_code.co_name == "_check_inf_per_device":
-            still_scaled = True
-        if optimizer is None and isinstance(local.get("optimizer"), torch.optim.Optimizer):
-            optimizer = local["optimizer"]
-        if isinstance(local.get("self"), GradScaler):
-            scaler = local["self"]
-            if frame.f_code.co_name != "_unscale_grads_":  # its caller tells whether it unscales
-                break
+        name = frame.f_code.co_name
+        if name in _SCALER_METHODS:  # f_locals only here: building it costs time
+            local = frame.f_locals
+            scaler = local.get("self")
+            if isinstance(scaler, GradScaler):
+                if name != "_unscale_grads_":  # its caller tells whether it unscales
+                    return scaler, optimizer, name == "_check_inf_per_device"
+                optimizer = local.get("optimizer")
         frame = frame.f_back
-    return scaler, optimizer, still_scaled
+    return None, None, False
 
 
 def inside_scaler_step() -> bool:
@@ -127,9 +131,10 @@ def inside_scaler_step() -> bool:
     for _ in range(_FRAME_DEPTH):
         if frame is None:
             return False
-        scaler = frame.f_locals.get("self")
-        if frame.f_code.co_name in ("step", "_maybe_opt_step") and isinstance(scaler, GradScaler):
-            return scaler.is_enabled()
+        if frame.f_code.co_name in _STEPPING_METHODS:
+            scaler = frame.f_locals.get("self")
+            if isinstance(scaler, GradScaler):
+                return scaler.is_enabled()
         frame = frame.f_back
     return False
 
