@@ -38,6 +38,14 @@ def make_dataset(samples: int, features: int, classes: int, generator: torch.Gen
     return inputs, labels
 
 
+def example():
+    """``(model, inputs)`` for ``python -m amp_runtime compare examples/train_healthy.py:example``."""
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    inputs, _ = make_dataset(256, 32, 8, generator)
+    return Classifier(32, 128, 8), inputs
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps (default: 80)")
