@@ -149,8 +149,8 @@ def _run(options) -> int:
         raise CliError(f"run: {err}") from None
     status = _run_script(guard, script, options.args)
     # a terminal's width; logs (CI) get whole messages
-    width = shutil.get_terminal_size().columns if sys.stderr.isatty() else 240
-    print(guard.report.summary(width=max(100, width)), file=sys.stderr)
+    width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None
+    print(guard.report.summary(width=width), file=sys.stderr)
     if not options.no_report:
         try:
             page = build_report(out)

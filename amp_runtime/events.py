@@ -116,8 +116,12 @@ class Report:
             groups.setdefault((e.code, e.source, e.module), []).append(e)
         return list(groups.values())
 
-    def summary(self, width: int = 100) -> str:
-        """A text table: one row per (code, source, module) with a count."""
+    def summary(self, width: Optional[int] = None) -> str:
+        """A text table: one row per (code, source, module) with a count.
+
+        Messages are cut to fit ``width`` columns (a terminal's); by default they are whole,
+        since the message holds the fix.
+        """
         if not self.events:
             return "amp_runtime: no events"
         header = ("code", "sev", "count", "step", "op", "module", "source", "message")
@@ -132,12 +136,14 @@ class Report:
         rows.sort(key=lambda r: (severity_rank(r[1]), r[0]))
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header[:-1])]
         fixed = sum(widths) + 2 * len(widths)
-        msg_width = max(20, width - fixed)
+        msg_width = max(20, width - fixed) if width else None
 
         def line(cells):
             head = "  ".join(c.ljust(w) for c, w in zip(cells, widths))
             text = cells[-1]
-            return f"{head}  {text if len(text) <= msg_width else text[: msg_width - 1] + '…'}"
+            if msg_width is not None and len(text) > msg_width:
+                text = text[: msg_width - 1] + "…"
+            return f"{head}  {text}"
 
         lines = [line(header), line(tuple("-" * w for w in widths) + ("-" * 7,))]
         lines += [line(r) for r in rows]

@@ -125,7 +125,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     allow = item.stash[_ALLOW_KEY]
     failing = [e for e in events if not is_allowed(e.code, e.severity, allow)]
     if not (failing and report.passed):
-        report.sections.append(("amp_guard events", events.summary(width=160)))
+        report.sections.append(("amp_guard events", events.summary()))
         return
     from amp_runtime.events import Report
 
@@ -133,5 +133,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report.outcome = "failed"
     report.longrepr = (
         f"amp_guard: {len(failing)} AMP event(s) not allowed{allowed}\n"
-        f"{Report(failing).summary(width=160)}"
+        f"{Report(failing).summary()}"
     )

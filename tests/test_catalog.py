@@ -114,6 +114,14 @@ def test_report_summary_groups_by_code_and_source_with_counts():
     assert Report().summary() == "amp_runtime: no events"
 
 
+def test_report_summary_keeps_whole_messages_unless_given_a_width():
+    report = Report([Event.create("AMP112", source="train.py:30", kind="nan")])
+    message = report.events[0].message
+    assert message in report.summary()
+    narrow = report.summary(width=80)
+    assert message not in narrow and max(len(line) for line in narrow.splitlines()) <= 80
+
+
 def test_corrupt_events_file_names_the_line(tmp_path):
     log = tmp_path / "events.jsonl"
     log.write_text('{"code": "AMP101"}\nnot json\n', encoding="utf-8")
