@@ -64,14 +64,15 @@ class Event:
 
     def where(self) -> str:
         """Module and source in one phrase, for messages."""
-        parts = [p for p in (self.module and f"in {self.module}", self.source and f"at {self.source}") if p]
-        return " ".join(parts)
+        parts = (self.module and f"in {self.module}", self.source and f"at {self.source}")
+        return " ".join(p for p in parts if p)
 
     def __str__(self) -> str:
         step = "" if self.step is None else f" [step {self.step}]"
         op = f" {self.op}:" if self.op else ""
         where = self.where()
-        return f"{self.code} ({self.severity}){step}{op} {self.message}" + (f" {where}" if where else "")
+        text = f"{self.code} ({self.severity}){step}{op} {self.message}"
+        return f"{text} {where}" if where else text
 
 
 _LOCATION_FIELDS = ("op", "module", "step", "source", "rank", "details")
@@ -148,7 +149,8 @@ class Report:
         lines = [line(header), line(tuple("-" * w for w in widths) + ("-" * 7,))]
         lines += [line(r) for r in rows]
         total = Counter(e.severity for e in self.events)
-        lines.append(f"{len(self.events)} event(s): " + ", ".join(f"{total[s]} {s}" for s in sorted(total)))
+        counts = ", ".join(f"{total[s]} {s}" for s in sorted(total))
+        lines.append(f"{len(self.events)} event(s): {counts}")
         return "\n".join(lines)
 
     def to_json(self) -> Dict[str, Any]:

@@ -38,9 +38,11 @@ class Thresholds:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Thresholds.{f.name} must be a non-negative number, got {value!r}")
+                raise ValueError(
+                    f"Thresholds.{f.name} must be a non-negative number, got {value!r}")
         if self.grad_explosion_p0 < self.grad_explosion:
             raise ValueError("Thresholds.grad_explosion_p0 must be >= grad_explosion")
-        for name in ("sample_every", "overflow_window", "metrics_every", "scale_decline_consecutive"):
+        counts = ("sample_every", "overflow_window", "metrics_every", "scale_decline_consecutive")
+        for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"Thresholds.{name} must be >= 1")

@@ -359,10 +359,14 @@ def matches(code: str, select: Iterable[str] | None, ignore: Iterable[str] | Non
 
 def markdown_table() -> str:
     """The README's rule table, generated from the catalog (a test keeps them equal)."""
-    lines = ["| code | name | severity | static | runtime | what it catches |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| code | name | severity | static | runtime | what it catches |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in _RULES:
         marks = ["✓" if e in r.enforcers else "" for e in (STATIC, RUNTIME)]
-        lines.append(f"| [{r.code}](docs/rules/{r.code}.md) | {r.name} | {r.severity} | {marks[0]} | {marks[1]} | {r.title} |")
+        link = f"[{r.code}](docs/rules/{r.code}.md)"
+        lines.append(f"| {link} | {r.name} | {r.severity} | {marks[0]} | {marks[1]} | {r.title} |")
     return "\n".join(lines)
 
 

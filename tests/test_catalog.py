@@ -88,9 +88,12 @@ def test_event_create_fills_name_severity_and_message_from_catalog():
 
 def test_report_json_round_trip_through_events_jsonl(tmp_path):
     events = [
-        Event.create("AMP101", op="linear", module="blocks.2.fc2", source="m.py:9", step=4, kind="inf"),
-        Event.create("AMP102", op="linear", module="blocks.2.fc2", source="m.py:9", step=5, value=61000.0),
-        Event.create("AMP102", op="linear", module="blocks.2.fc2", source="m.py:9", step=6, value=62000.0),
+        Event.create("AMP101", op="linear", module="blocks.2.fc2", source="m.py:9", step=4,
+                     kind="inf"),
+        Event.create("AMP102", op="linear", module="blocks.2.fc2", source="m.py:9", step=5,
+                     value=61000.0),
+        Event.create("AMP102", op="linear", module="blocks.2.fc2", source="m.py:9", step=6,
+                     value=62000.0),
     ]
     log = tmp_path / "events.jsonl"
     log.write_text("".join(json.dumps(e.to_json()) + "\n" for e in events), encoding="utf-8")
