@@ -167,7 +167,9 @@ class Fp16OverflowLiteral(Check):
         if value is None or not math.isfinite(value) or abs(value) <= FP16_MAX:
             return
         for target in node.targets:
-            if not isinstance(target, nodes.Subscript) or self._python_container(target.value):
+            if not isinstance(target, nodes.Subscript) or _keyed_by_string(target):
+                continue
+            if self._python_container(target.value):
                 continue
             if self._can_be_fp16(node, target.value, None):
                 self.report(node, value=f"{value:g}", op="an indexed assignment")
@@ -183,8 +185,8 @@ class Fp16OverflowLiteral(Check):
         else:
             return False
         for value in values:
-            if isinstance(value, nodes.BinOp):  # ``[0.0] * n``
-                value = value.left if isinstance(value.left, CONTAINER_NODES) else value.right
+            if isinstance(value, nodes.BinOp):  # ``[0.0] * n``, ``np.ones(n) * 5``
+                value = value.right if isinstance(value.right, CONTAINER_NODES) else value.left
             if isinstance(value, CONTAINER_NODES):
                 return True
             if not isinstance(value, nodes.Call):
@@ -266,6 +268,12 @@ class Fp16OverflowLiteral(Check):
 def attribute_not_in(func: nodes.NodeNG, names: frozenset) -> bool:
     """``func`` is ``x.<name>`` with a name outside ``names`` (bare names may be aliases)."""
     return isinstance(func, nodes.Attribute) and func.attrname not in names
+
+
+def _keyed_by_string(subscript: nodes.Subscript) -> bool:
+    """``stats["best"] = ...``: tensors are not indexed by strings, mappings are."""
+    key = subscript.slice
+    return isinstance(key, nodes.Const) and isinstance(key.value, str)
 
 
 def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.NodeNG]:

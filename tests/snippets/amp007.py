@@ -207,3 +207,14 @@ class PythonContainers(nn.Module):
             best[key] = -1e9
             distances[i] = 1e10
         return torch.where(scores > 0, 1e9, 0.0), best, distances
+
+
+def string_keyed_mapping(stats):
+    stats["best_loss"] = 1e9
+    return stats
+
+
+def numpy_array_times_number(n):
+    costs = np.ones((n, n)) * 5
+    costs[0, 0] = 1e9
+    return costs
