@@ -14,8 +14,10 @@ CLIP_FUNCTIONS = frozenset(
         "clip_grad_norm_",
         "clip_grad_value_",
         "clip_grad_norm",
+        "clip_grads_with_norm_",
         "clip_grad.clip_grad_norm_",
         "clip_grad.clip_grad_value_",
+        "clip_grad.clip_grads_with_norm_",
     )
 )
 

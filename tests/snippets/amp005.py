@@ -202,7 +202,29 @@ def scaled_division_backward(model, batch, optimizer, scaler, accum):
     scaler.update()
 
 
+def clip_with_precomputed_norm(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    total_norm = nn_utils.get_total_norm([p.grad for p in params])
+    nn_utils.clip_grads_with_norm_(params, 1.0, total_norm)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
 # ---------------------------------------------------------------- negatives
+
+
+def unscaled_precomputed_norm(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    params = list(model.parameters())
+    nn_utils.clip_grads_with_norm_(params, 1.0, nn_utils.get_total_norm(params))
+    scaler.step(optimizer)
+    scaler.update()
 
 
 def unscale_then_clip(model, batch, optimizer, scaler):
