@@ -102,11 +102,13 @@ class DeprecatedAmpApi(Check):
         return any(self._mentions_modern_api(node) for node in other_arm(branch, child))
 
     def _after_version_return(self, statement: nodes.NodeNG) -> bool:
-        """``statement`` follows ``if <version test>: ... return`` in the same block."""
+        """``statement`` follows ``if <version test>: return <modern>`` in the same block
+        (not ``if <too old>: raise``: the code after it still runs on new versions)."""
         sibling = statement.previous_sibling()
         while sibling is not None:
             if isinstance(sibling, nodes.If) and _is_version_test(sibling.test) and sibling.body:
-                if isinstance(sibling.body[-1], (nodes.Return, nodes.Raise)):
+                exits = isinstance(sibling.body[-1], (nodes.Return, nodes.Raise))
+                if exits and any(self._mentions_modern_api(node) for node in sibling.body):
                     return True
             sibling = sibling.previous_sibling()
         return False

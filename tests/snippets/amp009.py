@@ -99,6 +99,12 @@ def in_training_loop(model, loader, optimizer):
         scaler.update()
 
 
+def old_versions_rejected_first():
+    if not hasattr(torch.cuda, "amp"):
+        raise RuntimeError("mixed precision needs torch >= 1.6")
+    return torch.cuda.amp.GradScaler()  # AMP009
+
+
 def enabled_by_dtype(dtype):
     return torch.cuda.amp.GradScaler(enabled=(dtype == "float16"))  # AMP009
 
