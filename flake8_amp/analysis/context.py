@@ -8,13 +8,15 @@ an inference word (export, infer, inference, predict, deploy, serve, generate, a
 evaluation and test words below, plus ``--amp-inference-words``; whole words of
 snake_case or CamelCase names; file names count only for the first group), or when its
 scope calls ``.eval()`` and never ``.train()`` / ``.backward()`` (an evaluation script).
+Objects without gradients (detached tensors, models frozen in the function, such as a
+distillation teacher or a frozen encoder) may be cast freely, also in training code.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Dict, FrozenSet, List, Optional
+from typing import Dict, FrozenSet, Iterator, List, Optional
 
 from astroid import nodes
 
@@ -91,6 +93,10 @@ TRAINING_WORDS: FrozenSet[str] = frozenset(
 )
 #: Method calls that only training code makes.
 TRAINING_CALLS: FrozenSet[str] = frozenset({"backward", "manual_backward", "zero_grad"})
+#: Methods that return the object they are called on (a chain ``m.cuda().half().eval()``).
+CHAIN_METHODS: FrozenSet[str] = frozenset(
+    {"to", "cuda", "cpu", "type", "half", "bfloat16", "float", "eval", "train", "requires_grad_"}
+)
 
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
@@ -113,6 +119,7 @@ class GradContext:
         self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
         self._training_scopes: Dict[nodes.NodeNG, bool] = {}
         self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
+        self._frozen_objects: Dict[nodes.NodeNG, FrozenSet[str]] = {}
 
     def no_grad_at(self, node: nodes.NodeNG) -> bool:
         """``node`` runs under no_grad / inference_mode / set_grad_enabled(False)."""
@@ -181,6 +188,48 @@ class GradContext:
             self._scope_calls[scope] = frozenset(_called_names(scope))
         return self._scope_calls[scope]
 
+    def frozen(self, expr: nodes.NodeNG) -> bool:
+        """The object in the method chain ``expr`` belongs to has no gradients: the chain
+        detaches it or freezes it (``x.detach().half()``, ``x.data``, ``t.half().eval()``),
+        or its function freezes the object it starts from, is assigned to or is fed to
+        (``m.requires_grad_(False)``, ``p.requires_grad = False`` for ``p`` in
+        ``m.parameters()``, ``m.eval()`` with no ``m.train()``; ``m(x.half())``,
+        ``m.encode(x.half())``)."""
+        while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
+            expr = expr.parent.parent
+        objects = {_object_key(_assign_target(expr))}
+        consumer = expr.parent
+        if isinstance(consumer, nodes.Call) and expr in consumer.args:
+            objects.add(_object_key(consumer.func))
+            if isinstance(consumer.func, nodes.Attribute):
+                objects.add(_object_key(consumer.func.expr))
+        link = expr
+        while True:
+            if isinstance(link, nodes.Attribute) and link.attrname == "data":
+                return True
+            if not _chain_call(link) and not _is_detach(link):
+                break
+            if _is_detach(link) or _freezes(link):
+                return True
+            link = link.func.expr
+        objects.add(_object_key(link))
+        frozen = self._frozen_in(expr.frame())
+        return any(key in frozen for key in objects if key)
+
+    def _frozen_in(self, scope: nodes.NodeNG) -> FrozenSet[str]:
+        """Objects (as source text) that ``scope`` freezes and never puts in train mode."""
+        if scope not in self._frozen_objects:
+            frozen, trained = set(), set()
+            for node in scope_nodes(scope):
+                if _chain_call(node) and _freezes(node):
+                    frozen.add(node.func.expr.as_string())
+                elif _chain_call(node) and node.func.attrname == "train":
+                    trained.add(node.func.expr.as_string())
+                elif isinstance(node, nodes.For) and _freezes_parameters(node):
+                    frozen.add(node.iter.func.expr.as_string())
+            self._frozen_objects[scope] = frozenset(frozen - trained)
+        return self._frozen_objects[scope]
+
     def not_training_at(self, node: nodes.NodeNG) -> bool:
         """Either of the above: gradients are off or the code is not training code."""
         return self.no_grad_at(node) or self.inference_at(node)
@@ -210,15 +259,83 @@ class GradContext:
         return self._eval_scopes[scope]
 
 
-def _called_names(scope: nodes.NodeNG) -> List[str]:
-    """Names of functions and methods called in ``scope``, not in nested scopes."""
-    found: List[str] = []
+def scope_nodes(scope: nodes.NodeNG) -> Iterator[nodes.NodeNG]:
+    """The nodes of ``scope``'s own code, not of scopes nested in it."""
     stack = list(scope.get_children())
     while stack:
         node = stack.pop()
         if isinstance(node, (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)):
             continue
-        if isinstance(node, nodes.Call):
-            found.append(simple_name(node.func))
+        yield node
         stack.extend(node.get_children())
-    return found
+
+
+def _called_names(scope: nodes.NodeNG) -> List[str]:
+    """Names of functions and methods called in ``scope``, not in nested scopes."""
+    return [simple_name(node.func) for node in scope_nodes(scope) if isinstance(node, nodes.Call)]
+
+
+def _chain_call(node: Optional[nodes.NodeNG]) -> bool:
+    """``node`` is ``<object>.<method>(...)`` with a method that returns the object."""
+    return (
+        isinstance(node, nodes.Call)
+        and isinstance(node.func, nodes.Attribute)
+        and node.func.attrname in CHAIN_METHODS
+    )
+
+
+def _is_detach(node: nodes.NodeNG) -> bool:
+    return (
+        isinstance(node, nodes.Call)
+        and isinstance(node.func, nodes.Attribute)
+        and node.func.attrname in ("detach", "detach_")
+    )
+
+
+def _is_false(node: Optional[nodes.NodeNG]) -> bool:
+    return isinstance(node, nodes.Const) and node.value is False
+
+
+def _freezes(call: nodes.Call) -> bool:
+    """``m.eval()`` or ``m.requires_grad_(False)``."""
+    method = call.func.attrname
+    if method == "requires_grad_":
+        flag = call.args[0] if call.args else keyword_value(call, "requires_grad")
+        return _is_false(flag)
+    return method == "eval"
+
+
+def _freezes_parameters(loop: nodes.For) -> bool:
+    """``for p in m.parameters(): p.requires_grad = False`` (or ``p.requires_grad_(False)``)."""
+    if not (
+        isinstance(loop.iter, nodes.Call)
+        and isinstance(loop.iter.func, nodes.Attribute)
+        and loop.iter.func.attrname in ("parameters", "named_parameters")
+    ):
+        return False
+    for statement in loop.body:
+        if isinstance(statement, nodes.Assign) and _is_false(statement.value):
+            if any(getattr(t, "attrname", "") == "requires_grad" for t in statement.targets):
+                return True
+        if isinstance(statement, nodes.Expr) and _chain_call(statement.value):
+            if _freezes(statement.value) and statement.value.func.attrname != "eval":
+                return True
+    return False
+
+
+def _assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """``t`` in ``t = expr`` (a name or attribute), if ``expr`` is assigned to one."""
+    parent = expr.parent
+    if isinstance(parent, nodes.Assign) and parent.value is expr and len(parent.targets) == 1:
+        return parent.targets[0]
+    return None
+
+
+def _object_key(expr: Optional[nodes.NodeNG]) -> str:
+    """``teacher`` / ``self.teacher`` as written (assignment targets included); '' else."""
+    if isinstance(expr, (nodes.Name, nodes.AssignName)):
+        return expr.name
+    if isinstance(expr, (nodes.Attribute, nodes.AssignAttr)):
+        base = _object_key(expr.expr)
+        return f"{base}.{expr.attrname}" if base else ""
+    return ""

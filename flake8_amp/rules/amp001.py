@@ -62,6 +62,7 @@ class ManualCast(Check):
             or self._user_method(func)
             or self._behind_precision_flag(node)
             or self._checkpoint_copy(node, func)
+            or grad.frozen(node)
             or grad.not_training_at(node)
             or not grad.training_at(node)
         )

@@ -125,6 +125,16 @@ def main(args):
     train_one_epoch(model, args)
 
 
+
+def train_model_evaluated_then_trained(model, loader, optimizer):
+    model.eval()
+    model.half()  # AMP001
+    model.train()
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -280,3 +290,37 @@ def load_for_serving(path):
     model.half()
     model.eval()
     return model
+
+
+def train_with_frozen_teacher(student, teacher, loader, optimizer):
+    teacher = teacher.half().eval()
+    for x, y in loader:
+        with torch.no_grad():
+            soft = teacher(x.half()).float()
+        (student(x) - soft).pow(2).mean().backward()
+        optimizer.step()
+
+
+def train_head_on_frozen_encoder(encoder, head, loader, optimizer):
+    for p in encoder.parameters():
+        p.requires_grad = False
+    encoder.to(torch.bfloat16)
+    for x, y in loader:
+        head(encoder(x.to(torch.bfloat16)).float(), y).backward()
+        optimizer.step()
+
+
+def train_against_reference(policy, ref_model, loader, optimizer):
+    reference = ref_model.to(torch.bfloat16)
+    reference.requires_grad_(False)
+    for x in loader:
+        (policy(x) - reference(x).float()).mean().backward()
+        optimizer.step()
+
+
+def train_caching_detached_features(model, loader, optimizer, cache):
+    for i, (x, y) in enumerate(loader):
+        feats = model.backbone(x)
+        cache[i] = feats.detach().half()
+        model.head(feats, y).backward()
+        optimizer.step()
