@@ -398,6 +398,7 @@ class ScalerAnalysis:
         self.names = context.names
         self._flows: Dict[nodes.NodeNG, ScalerFlow] = {}
         self._helpers: Dict[nodes.NodeNG, bool] = {}
+        self._constructions: Optional[List[nodes.Call]] = None
 
     def flow(self, node: nodes.NodeNG) -> ScalerFlow:
         """The flow of the function (or module body) that ``node`` runs in."""
@@ -474,6 +475,23 @@ class ScalerAnalysis:
             return found[0] if len(found) == 1 else None
         return None
 
+    def scaler_reaches(self, scope: nodes.NodeNG) -> bool:
+        """An enabled ``GradScaler(...)`` built in this module can be used by ``scope``: it is
+        built at module or class level or in ``scope`` itself, kept in ``self.<x>`` of
+        ``scope``'s class, or handed on (returned, passed, stored elsewhere). One kept in a
+        local variable of another function, or in another class, cannot reach it."""
+        if self._constructions is None:
+            self._constructions = [
+                call
+                for call in self.context.module.nodes_of_class(nodes.Call)
+                if self._builds_scaler(call) and _literal_enabled(call) is not False
+            ]
+        return any(_reaches(call, scope) for call in self._constructions)
+
+    def _builds_scaler(self, call: nodes.Call) -> bool:
+        callee = self.names.callee(call)
+        return callee is not None and not callee.instance and callee.qualname in GRAD_SCALERS
+
     def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
         """The scaler comes from outside the function and is updated there: ``self.<scaler>``
         updated in another method of the class, a module-level scaler updated anywhere in
@@ -511,6 +529,30 @@ class ScalerAnalysis:
             for method, receiver in map(method_call, calls_in_order(scope))
             if receiver is not None
         )
+
+
+def _reaches(construction: nodes.Call, scope: nodes.NodeNG) -> bool:
+    """See :meth:`ScalerAnalysis.scaler_reaches`."""
+    owner = construction.scope()
+    if owner is scope or isinstance(owner, (nodes.Module, nodes.ClassDef)):
+        return True
+    child, parent = construction, construction.parent
+    while isinstance(parent, nodes.IfExp) and child is not parent.test:
+        child, parent = parent, parent.parent  # ``GradScaler() if amp else None``
+    if isinstance(parent, nodes.Assign):
+        targets = parent.targets
+    elif isinstance(parent, nodes.AnnAssign):
+        targets = [parent.target]
+    else:
+        return True
+    for target in targets:
+        if isinstance(target, nodes.AssignAttr) and is_self(target.expr):
+            classdef = enclosing_class(construction)
+            if classdef is not None and enclosing_class(scope) is classdef:
+                return True
+        elif not isinstance(target, nodes.AssignName) or target.name in owner.root().globals:
+            return True
+    return False
 
 
 def _is_global(name: nodes.Name, names) -> bool:

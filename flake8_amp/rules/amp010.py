@@ -2,8 +2,9 @@
 
 Judged per function (and per module body, for scripts) from regions whose dtype is known:
 - an fp16 region and a plain ``backward()`` (not ``accelerator.backward(loss)`` or other
-  wrappers, not a manually scaled loss), in a file that uses no ``GradScaler`` and a
-  function that names no scaler (``loss_scaler(loss, optimizer)``);
+  wrappers, not a manually scaled loss), in a function that uses and names no scaler
+  (``loss_scaler(loss, optimizer)``) and that no ``GradScaler`` of the file can reach
+  (one kept in another function's local variable cannot);
 - a bf16 region in a function that scales its backward with a scaler that is built
   enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine).
 The finding is reported where the region is opened.
@@ -11,7 +12,7 @@ The finding is reported where the region is opened.
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Tuple
 
 from astroid import nodes
 
@@ -36,10 +37,6 @@ class ScalerDtypeMismatch(Check):
     @classmethod
     def applies(cls, source, options):
         return mentions_autocast(source, options)
-
-    def __init__(self, context, findings):
-        super().__init__(context, findings)
-        self._file_uses_grad_scaler: Optional[bool] = None
 
     def visit_module(self, node: nodes.Module) -> None:
         self._check_scope(node)
@@ -94,14 +91,12 @@ class ScalerDtypeMismatch(Check):
         )
 
     def _mentions_scaler(self, scope: nodes.NodeNG) -> bool:
-        """The file uses a ``GradScaler``, or the function names a scaler (``loss_scaler``...)."""
-        if self._file_uses_grad_scaler is None:
-            self._file_uses_grad_scaler = any(
-                word.endswith("GradScaler") for word in _identifiers(self.context.module)
-            )
-        return self._file_uses_grad_scaler or any(
-            "scaler" in word.lower() for word in _identifiers(scope)
-        )
+        """The function uses or names a scaler (``loss_scaler``...), or a ``GradScaler`` of the
+        file can reach it."""
+        analysis = scaler_analysis(self.context)
+        if analysis.flow(scope).scalers or analysis.scaler_reaches(scope):
+            return True
+        return any("scaler" in word.lower() for word in _identifiers(scope))
 
 
 def _identifiers(node: nodes.NodeNG) -> List[str]:

@@ -1,0 +1,45 @@
+"""AMP010 in a file that uses a GradScaler: only a scaler that can reach a function counts."""
+import torch
+from torch.amp import GradScaler
+
+
+def train_with_local_scaler(model, loader, optimizer):
+    scaler = GradScaler("cuda")
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def warmup_without_scaler(model, loader, optimizer):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+            loss = model(batch)
+        loss.backward()
+        optimizer.step()
+
+
+def scaler_under_another_name(model, batch, optimizer, gs):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    loss = gs.scale(loss)
+    loss.backward()
+    gs.step(optimizer)
+    gs.update()
+
+
+class ScalesThroughAMethod:
+    def __init__(self, model):
+        self.model = model
+        self.gs = GradScaler("cuda")
+
+    def scale_loss(self, loss):
+        return self.gs.scale(loss)
+
+    def train_step(self, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = self.model(batch)
+        loss = self.scale_loss(loss)
+        loss.backward()
