@@ -495,7 +495,12 @@ class ScalerAnalysis:
     def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
         """The scaler comes from outside the function and is updated there: ``self.<scaler>``
         updated in another method of the class, a module-level scaler updated anywhere in
-        the module, or a parameter updated by a caller."""
+        the module, or a parameter updated by a caller. A local alias (``scaler =
+        self.scaler``) stands for what it is bound to."""
+        if isinstance(scaler, nodes.Name):
+            values = self.names.assigned_values(scaler) or []
+            if len(values) == 1 and isinstance(values[0], nodes.Attribute):
+                return is_self(values[0].expr) and self.updated_elsewhere(values[0])
         if isinstance(scaler, nodes.Attribute) and is_self(scaler.expr):
             classdef = enclosing_class(scaler)
             return classdef is not None and any(

@@ -338,6 +338,23 @@ def optimizer_wrapping_the_scaler(model, batch, base_optimizer, scaler, AmpOptim
     optimizer.step()
 
 
+class LocalAliasUpdatedInAnotherMethod:
+    def __init__(self, model):
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.grad_scaler = torch.amp.GradScaler("cuda")
+
+    def train_step(self, batch):
+        scaler = self.grad_scaler
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(self.optimizer)
+
+    def on_step_end(self):
+        self.grad_scaler.update()
+
+
 class UnscaleInOwnMethod:
     def __init__(self, model, optimizer):
         self.model = model
