@@ -2,8 +2,9 @@
 
 Reported where the dtype flow knows the values are fp16: ``x + 1e-8``, ``x.add(1e-8)``,
 ``x.clamp(min=1e-8)`` / ``clamp_min``; and Adam-family optimizers whose ``eps`` (given
-or default) is that small, built over ``model.parameters()`` of a model cast to fp16 in
-the same function. bf16 shares fp32's exponent range, so 1e-8 is fine there.
+or default) is that small, built over ``model.parameters()`` of a model whose last cast
+before it in the same function is to fp16. bf16 shares fp32's exponent range, so 1e-8 is
+fine there.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ OPTIMIZER_NAMES = frozenset(qualname.rsplit(".", 1)[-1] for qualname in OPTIMIZE
 ADD_METHODS = frozenset({"add", "add_"})
 CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"})
 CLAMP_FUNCTIONS = frozenset({"torch.clamp", "torch.clip", "torch.clamp_min"})
-FP16_CASTS = frozenset({"half", "to", "type"})
+#: Methods that cast a model in place (``.to(device)`` too, but its dtype is unknown).
+CASTS = frozenset({"half", "bfloat16", "float", "double", "to", "type"})
 #: A literal of 1e-8 or smaller somewhere in the source (``1e-8``, ``1E-10``, ``1e-08``).
 TINY_LITERAL = re.compile(r"\d[eE]-0?(?:[89]|[1-9]\d)")
 
@@ -111,21 +113,22 @@ class TinyEpsilon(Check):
             self.report(node, value=label)
 
     def _cast_to_fp16(self, node: nodes.Call, model: nodes.NodeNG) -> bool:
-        """``model`` holds an fp16 model here: bound to a cast, or cast in place in this scope."""
+        """``model`` holds an fp16 model here: bound to a cast, or cast in place earlier in
+        this scope by the last cast before ``node`` (not one after it, e.g. a checkpoint
+        compaction, nor one that ``model.float()`` undid)."""
         if self.context.dtypes.of(model) == FP16:
             return True
         key = expression_key(model)
         if key is None:
             return False
+        last_cast = None
         for call in calls_in_order(node.scope()):
+            if call is node:
+                break
             method, receiver = method_call(call)
-            if (
-                method in FP16_CASTS
-                and expression_key(receiver) == key
-                and self.context.dtypes.of(call) == FP16
-            ):
-                return True
-        return False
+            if method in CASTS and expression_key(receiver) == key:
+                last_cast = self.context.dtypes.of(call) or last_cast
+        return last_cast == FP16
 
 
 def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.NodeNG]:

@@ -86,6 +86,13 @@ def adam_tiny_eps_after_to(model):
     return torch.optim.Adam(model.parameters(), eps=1e-10)  # AMP011
 
 
+def half_behind_a_flag(model, args):
+    if args.fp16:
+        model.half()
+    model.to(args.device)
+    return torch.optim.Adam(model.parameters())  # AMP011
+
+
 def rmsprop_default(model):
     model.half()
     return torch.optim.RMSprop(model.parameters(), lr=1e-3)  # AMP011
@@ -150,6 +157,22 @@ def adam_over_fp32_master_params(model):
 
 def export_half(model, path):
     torch.save(model.half().state_dict(), path)
+
+
+def compacted_after_training(model, loader):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for batch in loader:
+        model(batch).backward()
+        optimizer.step()
+    model.half()
+    torch.save(model.state_dict(), "model_fp16.pt")
+
+
+def half_export_undone_before_optimizer(model, example):
+    model.half()
+    torch.onnx.export(model, example.half(), "model.onnx")
+    model.float()
+    return torch.optim.AdamW(model.parameters(), eps=1e-8)
 
 
 def adam_in_other_function(model):
