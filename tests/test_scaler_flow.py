@@ -337,3 +337,29 @@ def test_scaler_updated_by_the_caller_or_another_method():
     assert not analysis.updated_elsewhere(receivers["orphan"])
     assert analysis.updated_elsewhere(receivers["step"])
     assert analysis.updated_elsewhere(receivers["global_step"])
+
+
+def test_scaled_on_entry_needs_a_later_step_and_no_unscale_in_reach():
+    source = """
+        import torch
+        class Trainer:
+            def __init__(self, optimizer):
+                self.optimizer = optimizer
+                self.scaler = torch.amp.GradScaler("cuda")
+            def backward(self, loss):
+                self.scaler.scale(loss).backward()
+            def step(self, params):
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+        """
+    flow = flow_of(source)
+    clip = "torch.nn.utils.clip_grad_norm_(params, 1.0)"
+    assert flow.scaled_on_entry(call(flow, clip, 0))
+    assert not flow.scaled_on_entry(call(flow, clip, 1))  # no step after it
+    unscaled = source.replace(
+        "loss).backward()", "loss).backward()\n                self.scaler.unscale_(self.optimizer)"
+    )
+    flow = flow_of(unscaled)
+    assert not flow.scaled_on_entry(call(flow, clip, 0))

@@ -18,6 +18,7 @@ is the no-scaler path.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, replace
 from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
@@ -202,6 +203,25 @@ class ScalerFlow:
         """Every path to ``call`` already ran ``scaler.step(<optimizer_key>)``."""
         states = self.states_before.get(call, ())
         return bool(states) and all(optimizer_key in state.stepped for state in states)
+
+    def scaled_on_entry(self, call: nodes.Call) -> bool:
+        """Gradients are scaled when ``call`` runs though no scaled backward precedes it here
+        (``backward`` in one method, clip and step in another): a later ``scaler.step`` of a
+        scaler built in this module expects scaled gradients, nothing between unscales them,
+        and no code that can reach that scaler ever unscales it (:meth:`never_unscaled`)."""
+        if self.phases_before(call) != {None}:
+            return False
+        order = {node: index for index, node in enumerate(self.states_before)}
+        for step in self.scaler_steps:
+            scaler = self.scalers[expression_key(step.func.expr) or ""]
+            if (
+                order[step] > order[call]
+                and self.phases_before(step) == {None}
+                and scaler.constructions
+                and self._analysis.never_unscaled(scaler.key, self.scope)
+            ):
+                return True
+        return False
 
     def steps_without_update(self) -> List[nodes.Call]:
         """``scaler.step`` calls that no path follows with ``scaler.update()``."""
@@ -398,7 +418,6 @@ class ScalerAnalysis:
         self.names = context.names
         self._flows: Dict[nodes.NodeNG, ScalerFlow] = {}
         self._helpers: Dict[nodes.NodeNG, bool] = {}
-        self._constructions: Optional[List[nodes.Call]] = None
 
     def flow(self, node: nodes.NodeNG) -> ScalerFlow:
         """The flow of the function (or module body) that ``node`` runs in."""
@@ -475,22 +494,52 @@ class ScalerAnalysis:
             return found[0] if len(found) == 1 else None
         return None
 
+    @functools.cached_property
+    def _module_calls(self) -> List[nodes.Call]:
+        return list(self.context.module.nodes_of_class(nodes.Call))
+
     def scaler_reaches(self, scope: nodes.NodeNG) -> bool:
         """An enabled ``GradScaler(...)`` built in this module can be used by ``scope``: it is
         built at module or class level or in ``scope`` itself, kept in ``self.<x>`` of
         ``scope``'s class, or handed on (returned, passed, stored elsewhere). One kept in a
         local variable of another function, or in another class, cannot reach it."""
-        if self._constructions is None:
-            self._constructions = [
-                call
-                for call in self.context.module.nodes_of_class(nodes.Call)
-                if self._builds_scaler(call) and _literal_enabled(call) is not False
-            ]
-        return any(_reaches(call, scope) for call in self._constructions)
+        return any(_reaches(call, scope) for call in self._enabled_constructions)
+
+    @functools.cached_property
+    def _enabled_constructions(self) -> List[nodes.Call]:
+        return [
+            call
+            for call in self._module_calls
+            if self._builds_scaler(call) and _literal_enabled(call) is not False
+        ]
+
+    def never_unscaled(self, key: str, scope: nodes.NodeNG) -> bool:
+        """No code that can reach the scaler known as ``key`` in ``scope`` calls ``unscale_``
+        or hands the scaler to a call (a helper could unscale it). For ``self.<x>`` that code
+        is ``scope``'s class, or the module when the class derives from classes of this
+        module; a base class from elsewhere could unscale unseen."""
+        calls = self._module_calls
+        classdef = enclosing_class(scope) if key.startswith("self.") else None
+        if classdef is not None:
+            bases = [b for b in classdef.bases if b.as_string() != "object"]
+            if not all(self._defined_here(base) for base in bases):
+                return False
+            if not bases:
+                calls = list(classdef.nodes_of_class(nodes.Call))
+        return not any(
+            method_call(call)[0] == "unscale_"
+            or any(expression_key(arg) == key for arg in _arguments(call))
+            for call in calls
+        )
 
     def _builds_scaler(self, call: nodes.Call) -> bool:
         callee = self.names.callee(call)
         return callee is not None and not callee.instance and callee.qualname in GRAD_SCALERS
+
+    def _defined_here(self, base: nodes.NodeNG) -> bool:
+        return isinstance(base, nodes.Name) and any(
+            isinstance(binding, nodes.ClassDef) for binding in self.names.bindings(base)
+        )
 
     def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
         """The scaler comes from outside the function and is updated there: ``self.<scaler>``

@@ -40,5 +40,6 @@ class ClipBeforeUnscale(Check):
             return
         flow = scaler_analysis(self.context).flow(node)
         phases = flow.phases_before(node)
-        if SCALED in phases and not phases & {UNSCALED, HELPED} and not flow.in_no_scaler_arm(node):
+        scaled = SCALED in phases and not phases & {UNSCALED, HELPED}
+        if (scaled or flow.scaled_on_entry(node)) and not flow.in_no_scaler_arm(node):
             self.report(node, func=last_part(self.context.names.qualname(node.func)))

@@ -126,6 +126,23 @@ class Trainer:
         self.scaler.update()
 
 
+class BackwardAndStepInSeparateMethods:
+    def __init__(self, model, optimizer, max_norm):
+        self.model = model
+        self.optimizer = optimizer
+        self.max_norm = max_norm
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self):
+        if self.max_norm:
+            clip_grad_norm_(self.model.parameters(), self.max_norm)  # AMP005
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
 def scaled_branch_then_shared_clip(model, batch, optimizer, scaler, use_amp):
     with torch.autocast("cuda", enabled=use_amp):
         loss = model(batch)
@@ -457,6 +474,52 @@ class UnscaleInHelperMethod:
             loss = self.model(batch)
         self.scaler.scale(loss).backward()
         self._unscale_grads()
+        clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class UnscaledInTheBackwardMethod:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+
+    def optimizer_step(self):
+        clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class BaseFromAnotherModule(Accelerator):
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def optimizer_step(self):
+        clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class ScalerHandedToAHelper:
+    def __init__(self, model, optimizer, unscale_all):
+        self.model = model
+        self.optimizer = optimizer
+        self.unscale_all = unscale_all
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+        self.unscale_all(self.scaler, self.optimizer)
+
+    def optimizer_step(self):
         clip_grad_norm_(self.model.parameters(), 1.0)
         self.scaler.step(self.optimizer)
         self.scaler.update()
