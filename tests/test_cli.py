@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+from test_no_torch import _blocked_env
 
 from amp_runtime.cli import main
 
@@ -162,3 +163,26 @@ def test_bad_input_through_the_real_command_line(tmp_path):
         result = amp_runtime(*args, cwd=tmp_path)
         assert result.returncode == 2
         assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_report_and_help_run_where_torch_is_missing(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "metrics.jsonl").write_text('{"step": 0, "loss": 1.5, "skipped": false}\n',
+                                        encoding="utf-8")
+    env = _blocked_env(tmp_path)
+    for args in (("--help",), ("report", "logs")):
+        result = subprocess.run([sys.executable, "-m", "amp_runtime", *args], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert (logs / "report.html").exists()
+
+
+def test_guard_and_compare_stay_the_functions_when_their_submodules_are_imported():
+    check = ("import amp_runtime, sys; assert 'torch' not in sys.modules; "
+             "from amp_runtime.guard import Guard; from amp_runtime.compare import ErrorStats; "
+             "assert callable(amp_runtime.guard) and amp_runtime.guard.__name__ == 'guard'; "
+             "assert amp_runtime.compare.__name__ == 'compare' and callable(amp_runtime.compare)")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr

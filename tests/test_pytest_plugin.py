@@ -1,4 +1,10 @@
 """The amp_guard pytest plugin, exercised through real pytest sessions (pytester)."""
+import torch  # noqa: F401  (see below)
+from test_no_torch import _blocked_env
+
+# torch is imported here, before any in-process pytester run: such a run unloads the
+# modules it imported, and importing torch a second time in one process crashes it.
+
 pytest_plugins = ["pytester"]
 
 HEALTHY = """
@@ -90,9 +96,11 @@ def test_help_documents_the_options_and_the_marker_is_registered(pytester):
     _run(pytester, "--strict-markers").assert_outcomes(passed=1)
 
 
-def test_without_torch_plain_suites_run_and_the_fixture_fails_clearly(pytester):
-    # conftest makes "import torch" fail, as on a lint-only machine
-    pytester.makeconftest("import sys\nsys.modules['torch'] = None\n")
+def test_without_torch_plain_suites_run_and_the_fixture_fails_clearly(
+        pytester, monkeypatch, tmp_path):
+    # "import torch" fails from interpreter start, as on a lint-only machine: the plugin
+    # itself is loaded through its entry point before any conftest could intervene
+    monkeypatch.setenv("PYTHONPATH", _blocked_env(tmp_path)["PYTHONPATH"])
     pytester.makepyfile(
         test_plain="def test_plain():\n    assert True\n",
         test_uses=("def test_uses(amp_guard):\n    pass\n"),
@@ -100,6 +108,17 @@ def test_without_torch_plain_suites_run_and_the_fixture_fails_clearly(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*the amp_guard fixture needs torch*install flake8-amp?runtime?"])
+
+
+def test_loading_the_plugin_does_not_import_torch(pytester):
+    pytester.makepyfile(test_modules="""
+import sys
+
+def test_no_torch_yet():
+    assert "amp_runtime.pytest_plugin" in sys.modules
+    assert "torch" not in sys.modules
+""")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
 def test_a_misconfigured_marker_fails_the_test_with_a_clear_message(pytester):
