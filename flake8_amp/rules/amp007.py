@@ -29,6 +29,7 @@ FILL_METHODS = {
     "index_fill": (2, "value"),
     "index_fill_": (2, "value"),
     "fill_": (0, "value"),
+    "fill_diagonal_": (0, "fill_value"),
     "new_full": (1, "fill_value"),
 }
 #: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``).
@@ -48,6 +49,8 @@ CONTAINER_NODES = (
     nodes.Tuple,
 )
 BUILTIN_CONTAINERS = frozenset({"list", "dict", "set"})
+#: Tensor methods whose result is a numpy array or a Python list.
+TO_PYTHON_METHODS = frozenset({"numpy", "tolist"})
 CONTAINER_FACTORIES = frozenset({"collections.defaultdict", "collections.OrderedDict"})
 #: ``torch.finfo`` of these is far beyond fp16's range (fp32's max is used for all of them).
 WIDE_DTYPES = frozenset({"torch.float32", "torch.float", "torch.float64", "torch.double"})
@@ -176,7 +179,8 @@ class Fp16OverflowLiteral(Check):
                 return
 
     def _python_container(self, expr: nodes.NodeNG) -> bool:
-        """``expr`` is bound to a list, dict, set or numpy array, not a tensor."""
+        """``expr`` is bound to a list, dict, set or numpy array (``t.cpu().numpy()``), not a
+        tensor."""
         names = self.context.names
         if isinstance(expr, nodes.Name):
             values = names.assigned_values(expr) or []
@@ -192,6 +196,8 @@ class Fp16OverflowLiteral(Check):
             if not isinstance(value, nodes.Call):
                 continue
             func = value.func
+            if method_call(value)[0] in TO_PYTHON_METHODS:
+                return True
             if isinstance(func, nodes.Name) and func.name in BUILTIN_CONTAINERS:
                 return not names.bindings(func)
             qualname = names.callee_qualname(value) or ""

@@ -105,6 +105,13 @@ def fill_known_fp16(n, mask):
     return buf
 
 
+def similarity_diagonal(embeddings):
+    with torch.autocast("cuda"):
+        sim = embeddings @ embeddings.t()
+        sim.fill_diagonal_(-1e9)  # AMP007
+    return sim
+
+
 # ---------------------------------------------------------------- negatives
 
 
@@ -218,3 +225,15 @@ def numpy_array_times_number(n):
     costs = np.ones((n, n)) * 5
     costs[0, 0] = 1e9
     return costs
+
+
+def hungarian_costs_in_numpy(cost, valid):
+    costs = cost.detach().cpu().numpy()
+    costs[~valid] = 1e9
+    return costs
+
+
+def python_list_of_scores(scores):
+    values = scores.tolist()
+    values[0] = -1e9
+    return values
