@@ -20,7 +20,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from flake8_amp.catalog import severity_rank
 
@@ -38,6 +38,7 @@ MAX_HEATMAP_LABELS = 40
 MAX_UNDERFLOW_LINES = 8
 #: Codes that mean "a value overflowed" for the diagnosis.
 _OVERFLOW_CODES = ("AMP101", "AMP102", "AMP103", "AMP112", "AMP007")
+_NONFINITE_LOSS = "AMP112"
 
 
 class ReportError(Exception):
@@ -52,6 +53,8 @@ class RunLog:
     events: List[Event] = field(default_factory=list)
     #: One dict per step, sorted by step.
     steps: List[Dict[str, Any]] = field(default_factory=list)
+    #: What the reader had to leave out, for the page.
+    notes: List[str] = field(default_factory=list)
 
     def series(self, key: str) -> Tuple[List[int], List[float]]:
         """Steps and finite values of one per-step number (missing values skipped)."""
@@ -66,6 +69,13 @@ class RunLog:
 
     def skipped_steps(self) -> List[int]:
         return [r["step"] for r in self.steps if r.get("skipped")]
+
+    def nonfinite_loss_steps(self) -> List[int]:
+        """Steps whose loss was NaN/Inf: metrics.jsonl writes those losses as null, so
+        the guard's AMP112 events say which they were."""
+        steps = {e.step for e in self.events if e.code == _NONFINITE_LOSS and e.step is not None}
+        steps.update(r["step"] for r in self.steps if _is_nonfinite(r.get("loss")))
+        return sorted(steps)
 
     def layer_matrix(self, stat: str) -> Tuple[List[str], List[int], List[List[Optional[float]]]]:
         """Layers (in first-seen order) × steps that have per-layer stats, of ``stat``."""
@@ -95,37 +105,69 @@ def load_run(log_dir: Union[str, Path]) -> RunLog:
                           "(is it a guard's log_dir?)")
     run = RunLog(folder)
     if events_path.exists():
-        try:
-            run.events = Report.from_jsonl(events_path).events
-        except (ValueError, TypeError, KeyError) as err:
-            raise ReportError(str(err)) from None
-        except UnicodeDecodeError:
-            raise ReportError(f"{events_path}: not a text file") from None
+        run.events = [_event(record, where)
+                      for record, where in _read_jsonl(events_path, "an event", run.notes)]
     if metrics_path.exists():
-        run.steps = _read_metrics(metrics_path)
+        run.steps = [_step_record(record, where)
+                     for record, where in _read_jsonl(metrics_path, "a step", run.notes)]
+        run.steps.sort(key=lambda r: r["step"])
     if not run.events and not run.steps:
         raise ReportError(f"{folder}: the logs are empty (did the guarded run take any step?)")
     return run
 
 
-def _read_metrics(path: Path) -> List[Dict[str, Any]]:
-    steps = []
+def _read_jsonl(path: Path, what: str, notes: List[str]) -> Iterator[Tuple[Any, str]]:
+    """``(record, "path:line")`` for each line. A last line cut off mid-write (a run that
+    was killed) is skipped with a note in ``notes``; any other bad line is a ReportError."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            for number, text in enumerate(fh, 1):
-                if not text.strip():
-                    continue
-                try:
-                    record = json.loads(text)
-                except ValueError as err:
-                    raise ReportError(f"{path}:{number}: not JSON: {err}") from None
-                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                    raise ReportError(f"{path}:{number}: a metrics line needs an integer \"step\"")
-                steps.append(record)
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     except UnicodeDecodeError:
         raise ReportError(f"{path}: not a text file") from None
-    steps.sort(key=lambda r: r["step"])
-    return steps
+    except OSError as err:
+        raise ReportError(f"cannot read {path}: {err.strerror}") from None
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                notes.append(f"The last line of {path.name} was cut off (the run was "
+                             f"interrupted?); the report leaves out {what} it held.")
+                continue
+            raise ReportError(f"{path}:{number}: not JSON: {err}") from None
+        yield record, f"{path}:{number}"
+
+
+#: Event fields and the types a valid events.jsonl line gives them.
+_EVENT_TYPES = {"code": str, "name": str, "severity": str, "message": str, "op": (str, type(None)),
+                "module": (str, type(None)), "step": (int, type(None)),
+                "source": (str, type(None)), "rank": (int, type(None)), "details": dict}
+
+
+def _event(record, where: str) -> Event:
+    if not isinstance(record, dict):
+        raise ReportError(f"{where}: not an amp_runtime event (not a JSON object)")
+    for key in ("code", "name", "severity", "message"):
+        if key not in record:
+            raise ReportError(f"{where}: not an amp_runtime event (no {key!r})")
+    for key, types in _EVENT_TYPES.items():
+        value = record.get(key, {} if key == "details" else None)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ReportError(f"{where}: not an amp_runtime event ({key!r} is {value!r})")
+    return Event.from_json(record)
+
+
+def _step_record(record, where: str) -> Dict[str, Any]:
+    """A metrics line; malformed per-layer statistics are left out rather than refused."""
+    if not isinstance(record, dict) or isinstance(record.get("step"), bool) \
+            or not isinstance(record.get("step"), int):
+        raise ReportError(f'{where}: a metrics line needs an integer "step"')
+    layers = record.get("layers")
+    if layers is not None:
+        record["layers"] = ({name: stats for name, stats in layers.items()
+                             if isinstance(stats, dict)} if isinstance(layers, dict) else None)
+    return record
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +187,7 @@ def diagnose(run: RunLog) -> List[str]:
         findings.append(
             f"{len(skipped)} of {len(run.steps)} steps skipped by the GradScaler "
             f"({len(skipped) / len(run.steps):.0%}), first at step {skipped[0]}.")
-    bad_loss = [r["step"] for r in run.steps if _is_nonfinite(r.get("loss"))]
+    bad_loss = run.nonfinite_loss_steps()
     if bad_loss:
         findings.append(f"The loss was NaN/Inf from step {bad_loss[0]} ({len(bad_loss)} step(s)).")
     norm_steps, norms = run.series("grad_norm")
@@ -248,40 +290,84 @@ class Plot:
     empty_reason: str = ""
 
 
+#: Every plot is this wide with the same margins, so their step axes line up on the page;
+#: the left margin fits the longest layer name, the right one holds legends and colour bar.
+_FIGURE_WIDTH, _FIGURE_HEIGHT, _DPI = 12, 3.2, 90
+_RIGHT = 0.86
+#: Layer names longer than this are shortened from the left ("…attn.qkv.weight").
+_MAX_NAME = 30
+
+
 def _plots(run: RunLog) -> Optional[List[Plot]]:
     """Every plot of the page, or None when matplotlib is not installed."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
+    span = _step_span(run)
+    left = _left_margin(run)
     plots = []
     for key, title, draw in _PLOTS:
-        figure = Figure(figsize=(10, 3.2), dpi=90)
+        figure = Figure(figsize=(_FIGURE_WIDTH, _FIGURE_HEIGHT), dpi=_DPI)
         axes = figure.add_subplot()
+        axes.grid(True, alpha=0.3)
         empty_reason = draw(run, axes, figure)
         if empty_reason:
             plots.append(Plot(key, title, None, empty_reason))
             continue
         axes.set_title(title, fontsize=11, loc="left")
-        axes.grid(True, alpha=0.3)
-        figure.tight_layout()
+        axes.set_xlabel("step")
+        if span:
+            axes.set_xlim(*span)
+        height = figure.get_figheight()
+        figure.subplots_adjust(left=left, right=_RIGHT, bottom=0.55 / height, top=1 - 0.4 / height)
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")
         plots.append(Plot(key, title, base64.b64encode(buffer.getvalue()).decode("ascii")))
     return plots
 
 
+def _step_span(run: RunLog) -> Optional[Tuple[float, float]]:
+    """The x range every plot shows: from the first to the last step of the run."""
+    steps = [r["step"] for r in run.steps] + [e.step for e in run.events if e.step is not None]
+    return (min(steps) - 0.5, max(steps) + 0.5) if steps else None
+
+
+def _left_margin(run: RunLog) -> float:
+    """Room for the longest tick label on the left (layer names, event codes)."""
+    names = run.layer_matrix("norm")[0]
+    chars = max([6, *(len(_short_name(n)) for n in names)])
+    return (chars * 4.6 + 60) / (_FIGURE_WIDTH * _DPI)  # 7-point characters, ticks, y label
+
+
+def _legend(axes) -> None:
+    """A legend in the right margin, where it hides no data."""
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=8)
+
+
+def _short_name(name: str) -> str:
+    return name if len(name) <= _MAX_NAME else "…" + name[-(_MAX_NAME - 1):]
+
+
+def _with_gaps(run: RunLog, key: str) -> Tuple[List[int], List[float]]:
+    """Every step and its value of ``key``, NaN where it is missing or not finite, so a
+    line breaks there instead of bridging the steps it has no value for."""
+    values = [_number(r.get(key)) for r in run.steps]
+    return ([r["step"] for r in run.steps],
+            [v if v is not None and math.isfinite(v) else math.nan for v in values])
+
+
 def _draw_loss(run, axes, figure) -> str:
-    steps, losses = run.series("loss")
-    if not losses:
+    bad = run.nonfinite_loss_steps()
+    steps, losses = _with_gaps(run, "loss")
+    if all(math.isnan(v) for v in losses) and not bad:
         return "no loss values were recorded"
-    axes.plot(steps, losses, color="tab:blue", lw=1.2)
-    bad = [r["step"] for r in run.steps if _is_nonfinite(r.get("loss"))]
-    if bad:
-        axes.scatter(bad, [min(losses)] * len(bad), marker="x", color="red",
-                     label="NaN/Inf loss", zorder=3)
-        axes.legend(loc="upper right", fontsize=8)
-    axes.set_xlabel("step")
+    axes.plot(steps, losses, color="tab:blue", lw=1.2, marker=".", ms=3)  # dots: lone values
+    if bad:  # along the bottom edge, whatever the loss values are
+        axes.scatter(bad, [0.04] * len(bad), transform=axes.get_xaxis_transform(), marker="x",
+                     color="red", label=f"NaN/Inf loss ({len(bad)})", zorder=3, clip_on=False)
+        _legend(axes)
+    axes.set_ylabel("loss")
     return ""
 
 
@@ -296,19 +382,20 @@ def _draw_loss_scale(run, axes, figure) -> str:
     if skipped:
         axes.scatter(skipped, [by_step[s] for s in skipped], marker="x", color="red",
                      label=f"skipped step ({len(skipped)})", zorder=3)
-        axes.legend(loc="upper right", fontsize=8)
-    axes.set_xlabel("step")
+        _legend(axes)
+    axes.set_ylabel("loss scale")
     return ""
 
 
 def _draw_grad_norm(run, axes, figure) -> str:
-    steps, norms = run.series("grad_norm")
-    positive = [(s, n) for s, n in zip(steps, norms) if n > 0]
+    steps, norms = _with_gaps(run, "grad_norm")
+    positive = [n for n in norms if n > 0]
     if not positive:
         return "no gradient norm was recorded"
-    axes.plot(*zip(*positive), color="tab:green", lw=1.2)
-    axes.set_yscale("log")
-    axes.set_xlabel("step")
+    axes.plot(steps, norms, color="tab:green", lw=1.2, marker=".", ms=3)
+    if max(positive) > 30 * min(positive):  # a log axis only where it helps: wide ranges
+        axes.set_yscale("log")
+    axes.set_ylabel("L2 norm")
     return ""
 
 
@@ -319,13 +406,20 @@ def _draw_layer_heatmap(run, axes, figure) -> str:
     values = [[math.log10(v) if v and v > 0 and math.isfinite(v) else math.nan for v in row]
               for row in matrix]
     rows_shown = min(len(names), MAX_HEATMAP_LABELS)
-    figure.set_size_inches(10, max(2.5, 0.9 + 0.22 * rows_shown))
-    image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
-                        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))
+    figure.set_size_inches(_FIGURE_WIDTH, max(2.5, 1.2 + 0.22 * rows_shown))
+    # each column spans from halfway to the previous step with statistics to halfway to
+    # the next, so it sits at its own step even when steps in between have none
+    middles = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    first_gap = steps[1] - steps[0] if len(steps) > 1 else 1
+    last_gap = steps[-1] - steps[-2] if len(steps) > 1 else 1
+    x_edges = [steps[0] - first_gap / 2, *middles, steps[-1] + last_gap / 2]
+    image = axes.pcolormesh(x_edges, [i - 0.5 for i in range(len(names) + 1)], values,
+                            cmap="viridis")
+    axes.invert_yaxis()  # first layer on top
     every = math.ceil(len(names) / MAX_HEATMAP_LABELS)  # label every n-th layer of a deep model
-    axes.set_yticks(range(0, len(names), every), labels=names[::every], fontsize=7)
-    axes.set_xlabel("step")
-    figure.colorbar(image, ax=axes, label="log10 grad norm")
+    axes.set_yticks(range(0, len(names), every),
+                    labels=[_short_name(n) for n in names[::every]], fontsize=7)
+    figure.colorbar(image, cax=axes.inset_axes((1.02, 0, 0.02, 1)), label="log10 grad norm")
     axes.grid(False)
     return ""
 
@@ -336,13 +430,17 @@ def _draw_underflow(run, axes, figure) -> str:
     if not rows:
         return "no underflow fractions were recorded (they need fp16 gradients under a GradScaler)"
     peaks = {name: max(v for v in row if v is not None) for name, row in rows}
-    rows.sort(key=lambda item: peaks[item[0]], reverse=True)
+    if not any(peaks.values()):
+        return (f"no gradient underflowed: the fraction was 0 in all {len(rows)} layer(s) "
+                f"at every step with statistics")
+    rows = sorted((item for item in rows if peaks[item[0]] > 0),  # layers that never did: none
+                  key=lambda item: peaks[item[0]], reverse=True)
     for name, row in rows[:MAX_UNDERFLOW_LINES]:
-        axes.plot(steps, [math.nan if v is None else v for v in row], lw=1.1, label=name)
+        axes.plot(steps, [math.nan if v is None else v for v in row], lw=1.1,
+                  label=_short_name(name))
     axes.set_ylim(0, max(0.02, max(peaks.values()) * 1.1))  # a fraction: never below zero
-    axes.set_ylabel("fraction of nonzero grads")
-    axes.set_xlabel("step")
-    axes.legend(loc="upper right", fontsize=7, ncol=2)
+    axes.set_ylabel("zero or flushed in fp16")
+    _legend(axes)
     return ""
 
 
@@ -361,8 +459,7 @@ def _draw_timeline(run, axes, figure) -> str:
                          color=color, marker="|", s=200, label=severity)
     axes.set_yticks(range(len(codes)), labels=codes, fontsize=8)
     axes.set_ylim(-0.7, len(codes) - 0.3)
-    axes.set_xlabel("step")
-    axes.legend(loc="upper right", fontsize=8)
+    _legend(axes)
     return ""
 
 
@@ -384,6 +481,7 @@ body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto
   max-width:1100px;color:#222;padding:0 12px}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 .meta{color:#666;margin-bottom:14px}
+.note{background:#eceff1;border-left:4px solid #78909c;padding:6px 12px}
 .diagnosis{background:#fff8e1;border-left:4px solid #f9a825;padding:8px 16px}
 .diagnosis.ok{background:#e8f5e9;border-color:#43a047}
 figure{margin:10px 0} figure img{max-width:100%}
@@ -412,6 +510,7 @@ def render(run: RunLog) -> str:
         f"<style>{_STYLE}</style></head><body>",
         "<h1>amp_runtime report</h1>",
         f'<div class="meta">{esc(str(run.log_dir))} — {counts}</div>',
+        *(f'<p class="note">{esc(note)}</p>' for note in run.notes),
         f'<section id="diagnosis" class="diagnosis{" ok" if healthy else ""}">',
         "<h2>Diagnosis</h2><ul>",
         *(f"<li>{esc(sentence)}</li>" for sentence in diagnosis),

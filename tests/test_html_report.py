@@ -87,7 +87,10 @@ def test_report_has_every_plot_embedded_and_no_external_assets(overflow_run):
     assert page_path == log_dir / "report.html"
     page = _Page(page_path.read_text(encoding="utf-8"))
     assert {"diagnosis", "plots", "summary", "events"} <= page.ids
+    assert {f"plot-{key}" for key in PLOTS} <= page.ids
     for key in PLOTS:
+        if key == "underflow":  # this run's fp16 gradients do not underflow: a sentence says so
+            continue
         src = page.images[f"plot-{key}"]
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
@@ -148,7 +151,7 @@ def test_without_matplotlib_the_report_says_so_and_lists_events(overflow_run, tm
 @pytest.mark.parametrize("files, message", [
     ({}, "neither events.jsonl nor metrics.jsonl found"),
     ({"events.jsonl": "", "metrics.jsonl": "\n"}, "the logs are empty"),
-    ({"events.jsonl": '{"code": "AMP101"\n'}, "events.jsonl:1: not an amp_runtime event"),
+    ({"events.jsonl": '{"code": "AMP101"\n'}, "events.jsonl:1: not JSON"),
     ({"metrics.jsonl": '{"step": 0}\nnot json\n'}, "metrics.jsonl:2: not JSON"),
     ({"metrics.jsonl": '{"loss": 1.0}\n'}, 'metrics.jsonl:1: a metrics line needs an integer'),
 ])
@@ -172,3 +175,71 @@ def test_metrics_lines_are_read_in_step_order(tmp_path):
     run = load_run(tmp_path)
     assert run.series("loss") == ([0, 1], [3.0, 2.0])
     assert run.skipped_steps() == [1]
+
+
+def _event_line(code, step, severity="P0"):
+    return json.dumps({"code": code, "name": "x", "severity": severity, "message": "m",
+                       "step": step})
+
+
+def test_a_last_line_cut_off_by_a_killed_run_is_left_out_with_a_note(tmp_path):
+    (tmp_path / "events.jsonl").write_text(
+        _event_line("AMP112", 1) + "\n" + _event_line("AMP101", 2)[:25], encoding="utf-8")
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "loss": 2.0}\n{"step": 1, "loss": null}\n{"step": 2, "lo', encoding="utf-8")
+    run = load_run(tmp_path)
+    assert [e.code for e in run.events] == ["AMP112"] and len(run.steps) == 2
+    text = build_report(tmp_path).read_text(encoding="utf-8")
+    assert "The last line of events.jsonl was cut off" in text
+    assert "The last line of metrics.jsonl was cut off" in text
+
+
+def test_nan_losses_written_as_null_are_found_through_their_amp112_events(tmp_path):
+    (tmp_path / "events.jsonl").write_text(
+        _event_line("AMP112", 3) + "\n" + _event_line("AMP112", 5) + "\n", encoding="utf-8")
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": None if s in (3, 5) else 1.0}) + "\n" for s in range(6)),
+        encoding="utf-8")
+    run = load_run(tmp_path)
+    assert run.nonfinite_loss_steps() == [3, 5]
+    assert "The loss was NaN/Inf from step 3 (2 step(s))." in diagnose(run)
+
+
+@pytest.mark.parametrize("events, metrics, message", [
+    (_event_line("AMP101", "3"), "", "events.jsonl:1: not an amp_runtime event ('step' is '3')"),
+    ("[1, 2]", "", "events.jsonl:1: not an amp_runtime event (not a JSON object)"),
+    ('{"code": "AMP101"}', "", "events.jsonl:1: not an amp_runtime event (no 'name')"),
+    ("", '{"step": true}', 'metrics.jsonl:1: a metrics line needs an integer "step"'),
+])
+def test_malformed_fields_are_one_clear_error(tmp_path, events, metrics, message):
+    (tmp_path / "events.jsonl").write_text(events + "\n", encoding="utf-8")
+    (tmp_path / "metrics.jsonl").write_text(metrics + "\n", encoding="utf-8")
+    with pytest.raises(ReportError) as error:
+        build_report(tmp_path)
+    assert message in str(error.value)
+
+
+def test_binary_logs_name_the_file(tmp_path):
+    (tmp_path / "events.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    with pytest.raises(ReportError, match=r"events\.jsonl: not a text file"):
+        load_run(tmp_path)
+
+
+def test_malformed_layer_statistics_are_left_out_of_the_plots(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "loss": 1.0, "layers": {"fc.weight": 5, "fc.bias": {"norm": 0.5}}}\n'
+        '{"step": 1, "loss": 0.9, "layers": [1, 2]}\n', encoding="utf-8")
+    page = _Page(build_report(tmp_path).read_text(encoding="utf-8"))
+    assert "plot-layer-heatmap" in page.images
+    assert load_run(tmp_path).layer_matrix("norm")[0] == ["fc.bias"]
+
+
+def test_underflow_plot_says_so_when_no_gradient_underflowed(tmp_path):
+    layers = {"fc.weight": {"norm": 1.0, "underflow_fraction": 0.0}}
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 1.0, "layers": layers}) + "\n" for s in range(3)),
+        encoding="utf-8")
+    text = build_report(tmp_path).read_text(encoding="utf-8")
+    page = _Page(text)
+    assert "plot-underflow" in page.ids and "plot-underflow" not in page.images
+    assert "no gradient underflowed" in text
