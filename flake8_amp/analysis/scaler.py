@@ -544,8 +544,10 @@ class ScalerAnalysis:
     def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
         """The scaler comes from outside the function and is updated there: ``self.<scaler>``
         updated in another method of the class, a module-level scaler updated anywhere in
-        the module, or a parameter updated by a caller. A local alias (``scaler =
-        self.scaler``) stands for what it is bound to."""
+        the module, or a parameter updated by a caller (a step helper that does not run the
+        scaled backward itself and has no caller in this module is called from elsewhere,
+        which may update). A local alias (``scaler = self.scaler``) stands for what it is
+        bound to."""
         if isinstance(scaler, nodes.Name):
             values = self.names.assigned_values(scaler) or []
             if len(values) == 1 and isinstance(values[0], nodes.Attribute):
@@ -564,6 +566,8 @@ class ScalerAnalysis:
                 for call in self.context.module.nodes_of_class(nodes.Call)
                 if _called_name(call) == function.name
             }
+            if not callers:
+                return not self.flow(function).scaled_backwards
             return any(self._updates_a_scaler(caller) for caller in callers)
         if isinstance(scaler, nodes.Name) and _is_global(scaler, self.names):
             module = self.context.module

@@ -378,6 +378,13 @@ def step_helper_updated_by_caller(optimizer, scaler):
     scaler.step(optimizer)
 
 
+def step_helper_called_from_another_module(model, optimizer, scaler, max_norm):
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+
+
 def caller_updates(model, batch, optimizer, scaler):
     with torch.autocast("cuda"):
         loss = model(batch)
