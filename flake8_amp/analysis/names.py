@@ -119,6 +119,18 @@ class Names:
             found = self._bindings[name] = list(statements)
         return found
 
+    def reaching_bindings(self, name: nodes.Name) -> List[nodes.NodeNG]:
+        """:meth:`bindings`, less those that an assignment on every path to ``name``
+        overwrites: after ``with torch.no_grad(): out = model(x)``, an ``out = model(x)``
+        in an earlier block no longer reaches. Loops end the search (a later assignment
+        in the loop body reaches the next iteration)."""
+        bindings = self.bindings(name)
+        last = _last_unconditional_binding(name, bindings) if len(bindings) > 1 else None
+        if last is None:
+            return bindings
+        start, end = _position(last), _position(name)
+        return [b for b in bindings if b is last or start < _position(b) < end]
+
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
         is not a plain ``name = value`` (parameters, loops, unpacking, imports...)."""
@@ -324,6 +336,55 @@ def _defined_in_module(name: nodes.Name) -> bool:
         if scope.parent is None:
             return False
         scope = scope.parent.scope()
+
+
+def _position(node: nodes.NodeNG) -> Tuple[int, int]:
+    return (node.lineno or 0, node.col_offset or 0)
+
+
+def _last_unconditional_binding(
+    name: nodes.Name, bindings: Sequence[nodes.NodeNG]
+) -> Optional[nodes.NodeNG]:
+    """The binding of ``name`` that runs last, on every path, before ``name``'s statement
+    in its function (straight-line code and ``with`` blocks only); None if unsure."""
+    by_statement = {b.statement(): b for b in bindings}
+    child = name.statement()
+    while child.parent is not None:
+        parent = child.parent
+        block = next(
+            (
+                statements
+                for statements in (getattr(parent, f, None) for f in _BLOCKS)
+                if isinstance(statements, list) and child in statements
+            ),
+            [],
+        )
+        for statement in reversed(block[: block.index(child)] if block else []):
+            found = _binding_run_by(statement, by_statement)
+            if found is not None:
+                return found
+        if isinstance(parent, (nodes.For, nodes.While, nodes.FunctionDef, nodes.Module)):
+            return None
+        if isinstance(parent, (nodes.ClassDef, nodes.Lambda, nodes.ExceptHandler)):
+            return None
+        child = parent
+    return None
+
+
+#: Statement lists whose earlier statements have run when a later one runs.
+_BLOCKS = ("body", "orelse", "finalbody")
+
+
+def _binding_run_by(statement: nodes.NodeNG, by_statement: Dict) -> Optional[nodes.NodeNG]:
+    """The binding that ``statement`` surely runs (itself, or inside ``with`` blocks)."""
+    if statement in by_statement:
+        return by_statement[statement]
+    if isinstance(statement, nodes.With):
+        for inner in reversed(statement.body):
+            found = _binding_run_by(inner, by_statement)
+            if found is not None:
+                return found
+    return None
 
 
 def assigned_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:

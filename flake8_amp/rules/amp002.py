@@ -7,7 +7,7 @@ from typing import Optional
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
-from flake8_amp.analysis.names import assigned_value, last_part, simple_name
+from flake8_amp.analysis.names import Callee, assigned_value, last_part, simple_name
 from flake8_amp.engine import Check, Options, mentions_autocast
 
 #: Functional losses whose names do not end in ``_loss``.
@@ -42,11 +42,13 @@ class LossOutsideAutocast(Check):
     def visit_call(self, node: nodes.Call) -> None:
         if not self._is_loss(node) or self.context.regions.region_at(node) is not None:
             return
-        for arg in list(node.args) + [kw.value for kw in node.keywords or ()]:
-            produced = self._autocast_output_name(arg)
-            if produced is not None:
-                self.report(node, loss=self.source_text(node.func), arg=produced)
-                return
+        # Only the prediction is judged: targets made in the region (``target =
+        # scheduler.get_velocity(...)``) are data, and an upcast prediction is enough.
+        prediction = Callee("", args=tuple(node.args), keywords=tuple(node.keywords or ()))
+        arg = prediction.argument(0, "input")
+        produced = self._autocast_output_name(arg) if arg is not None else None
+        if produced is not None:
+            self.report(node, loss=self.source_text(node.func), arg=produced)
 
     def _is_loss(self, node: nodes.Call) -> bool:
         options = self.context.options.loss_functions
@@ -79,7 +81,7 @@ class LossOutsideAutocast(Check):
         region, directly or through reshaping re-assignments (``out = out.view(-1, C)``)."""
         dtypes = self.context.dtypes
         statement = name.statement()
-        for binding in self.context.names.bindings(name):
+        for binding in self.context.names.reaching_bindings(name):
             value = _bound_value(binding)
             if value is None or binding.statement() is statement or dtypes.of(value) in (FP32, INT):
                 continue

@@ -151,6 +151,22 @@ def wrapped_models(net, x, y, rank):
     return F.cross_entropy(a, y) + F.cross_entropy(b, y)  # AMP002
 
 
+
+def prediction_keyword_after_target(model, x, y):
+    with torch.autocast("cuda"):
+        scores = model(x)
+    return criterion(target=y, input=scores)  # AMP002
+
+
+
+def upcast_only_on_one_path(model, x, y, debug):
+    with torch.autocast("cuda"):
+        out = model(x)
+    if debug:
+        out = out.float()
+    return criterion(out, y)  # AMP002
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -291,3 +307,22 @@ def library_outputs_after_block(x, y, weight):
         scores = torch.cat([x, y], dim=-1)
         per_item = nn.CrossEntropyLoss(reduction="none")(scores.float(), y)
     return F.mse_loss(per_item, torch.zeros_like(per_item)) + F.mse_loss(scores, weight)
+
+
+def targets_made_in_region_prediction_upcast(model, scheduler, latents, noise, t):
+    with torch.autocast("cuda", dtype=torch.float16):
+        target = scheduler.get_velocity(latents, noise, t)
+        pred = model(latents, t)
+    return F.mse_loss(pred.float(), target)
+
+
+def fresh_fp32_forward_for_logging(model, loader, optimizer):
+    for step, (x, y) in enumerate(loader):
+        with torch.autocast("cuda"):
+            out = model(x)
+            loss = criterion(out, y)
+        scaler.scale(loss).backward()
+        if step % 100 == 0:
+            with torch.no_grad():
+                out = model(x)
+            print(criterion(out, y).item())
