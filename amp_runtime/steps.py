@@ -1,7 +1,8 @@
 """Automatic step detection: where one training step ends.
 
-* A loop with a GradScaler: at ``scaler.update()`` (seen as ``torch._amp_update_scale_`` through the
-  guard's mode). Skipped steps count: the update runs whether or not the optimizer stepped.
+* A loop with a GradScaler: at ``scaler.update()`` (reported by the scaler watch,
+  ``monitors/scaler.py``). Skipped steps count: the update runs whether or not the optimizer
+  stepped.
 * Otherwise at ``optimizer.step()`` (global optimizer step post-hook). With several optimizers the
   step ends after the last one of the cycle, learned in the first iteration: an optimizer stepping
   for the first time right after another one (no backward in between) joins that step; one stepping
@@ -24,7 +25,7 @@ from torch.optim.optimizer import (
 )
 
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, inside_scaler_step
+from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, inside_scaler_step, watch_of
 
 
 class StepDetector(Monitor):
@@ -45,11 +46,10 @@ class StepDetector(Monitor):
         super().attach(guard)
         self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
         self.keep(register_optimizer_step_post_hook(self._optimizer_step_ends))
+        watch_of(guard).update_listeners.append(self._scaler_updated)
 
     def op_handlers(self):
-        handlers = {func: OpHandler(before=self._backward_starts) for func in BACKWARD_FUNCTIONS}
-        handlers[torch._amp_update_scale_] = OpHandler(after=self._scaler_updated)
-        return handlers
+        return {func: OpHandler(before=self._backward_starts) for func in BACKWARD_FUNCTIONS}
 
     def _automatic(self) -> bool:
         guard = self.guard
@@ -65,7 +65,7 @@ class StepDetector(Monitor):
     def _backward_starts(self, func, args, kwargs):
         self._backward_since_step = True
 
-    def _scaler_updated(self, func, args, kwargs, out):
+    def _scaler_updated(self, scaler):
         if self._automatic():
             self._end_step()
 

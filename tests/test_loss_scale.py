@@ -128,3 +128,94 @@ def test_loss_scale_thresholds_come_from_the_guard():
             scaler.update()
     (collapse,) = g.report.by_code("AMP107")
     assert collapse.step == 1 and collapse.details["loss_scale"] == 256.0
+
+
+# -- GradScaler's own bookkeeping runs without the guard's mode -------------------------------
+
+import json  # noqa: E402
+
+from torch.amp.grad_scaler import GradScaler  # noqa: E402
+from torch.overrides import _get_current_function_mode_stack  # noqa: E402
+
+from amp_runtime.mode import GuardMode  # noqa: E402
+
+
+class ModeRecordingScaler(torch.amp.GradScaler):
+    """Records, as each public method starts, whether the guard's mode sees its ops."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mode_seen = []
+
+    def _check_scale_growth_tracker(self, funcname):
+        stack = _get_current_function_mode_stack()
+        self.mode_seen.append((funcname, any(isinstance(m, GuardMode) for m in stack)))
+        return super()._check_scale_growth_tracker(funcname)
+
+
+class OwnUpdateScaler(torch.amp.GradScaler):
+    def update(self, new_scale=None):
+        super().update(new_scale)
+
+
+def scaled_steps(scaler, steps, loss_factor=1e6, **guard_options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp_runtime.guard(policy="record", **guard_options) as g:
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(32, 8))
+            scaler.scale(out.float().pow(2).mean() * loss_factor).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return g
+
+
+def test_scaler_methods_run_without_the_guards_mode_and_are_still_judged():
+    # unscale_ reads .grad/.dtype/.device of every parameter: each read would cross into the mode
+    scaler = ModeRecordingScaler("cpu")
+    g = scaled_steps(scaler, steps=10)
+    assert {name for name, _ in scaler.mode_seen} == {"unscale_", "step", "update"}
+    assert not any(seen for _, seen in scaler.mode_seen)
+    assert g.step_index == 10
+    assert [e.step for e in g.report.by_code("AMP108")] == [4, 6, 9]
+
+
+def test_a_scaler_subclass_with_its_own_update_is_judged_through_the_mode():
+    g = scaled_steps(OwnUpdateScaler("cpu"), steps=10)
+    assert g.step_index == 10
+    assert [e.step for e in g.report.by_code("AMP108")] == [4, 6, 9]
+
+
+def test_leaving_the_last_guard_restores_grad_scalers_methods():
+    torch_methods = {name: vars(GradScaler)[name] for name in ("unscale_", "step", "update")}
+    with amp_runtime.guard(policy="record"):
+        with amp_runtime.guard(policy="record"):
+            pass
+        assert all(vars(GradScaler)[name] is not m for name, m in torch_methods.items())
+    assert all(vars(GradScaler)[name] is m for name, m in torch_methods.items())
+
+
+def test_an_overflow_in_one_of_two_optimizers_skips_the_step(tmp_path):
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (first, second)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with amp_runtime.guard(policy="record", log_dir=tmp_path) as g:
+        for factor in (1.0, 1e6):  # the second step overflows in the first model only
+            with torch.autocast("cpu", dtype=torch.float16):
+                x = torch.randn(4, 4)
+                loss = first(x).float().sum() * factor + second(x).float().sum()
+            scaler.scale(loss).backward()
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+            for opt in opts:
+                opt.zero_grad()
+    assert g.step_index == 2
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["skipped"] for line in lines] == [False, True]
+    assert scaler.get_scale() == 512.0

@@ -2,10 +2,9 @@
 
 Where the gradients are read:
 
-* with a GradScaler, right after the scaler unscaled them
-  (``torch._amp_foreach_non_finite_check_and_unscale_`` seen through the guard's mode): the values
-  are unscaled, and the scaler's own ``found_inf`` already says whether the step will be skipped, so
-  no separate finiteness pass is needed;
+* with a GradScaler, right after the scaler unscaled them (reported by the scaler watch,
+  ``monitors/scaler.py``): the values are unscaled, and the scaler's own ``found_inf`` already says
+  whether the step will be skipped, so no separate finiteness pass is needed;
 * otherwise in a global optimizer step pre-hook (the gradients the optimizer is about to apply; if a
   scaler scaled them and nobody unscaled them, they are divided by the scale before judging);
 * for loops with neither, at ``guard.step()`` over the ``model=`` parameters.
@@ -31,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import live_instances, scaler_call, watch_of
+from amp_runtime.monitors.scaler import live_instances, watch_of
 from amp_runtime.rules.amp011 import flushes_to_zero
 from amp_runtime.thresholds import Thresholds
 
@@ -297,12 +296,11 @@ class GradHealth(Monitor):
     def attach(self, guard):
         super().attach(guard)
         self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
+        self._watch = watch_of(guard)
+        self._watch.check_listeners.append(self._unscaled)
 
     def op_handlers(self):
-        return {
-            torch._amp_foreach_non_finite_check_and_unscale_: OpHandler(after=self._unscaled),
-            torch._foreach_norm: OpHandler(after=self._norms_computed),
-        }
+        return {torch._foreach_norm: OpHandler(after=self._norms_computed)}
 
     # -- sampling ----------------------------------------------------------------------
 
@@ -343,19 +341,16 @@ class GradHealth(Monitor):
         norms = [norm.float() if norm is not None else next(computed) for norm in known]
         return torch.stack(norms).reshape(1, -1)
 
-    def _unscaled(self, func, args, kwargs, out):
-        """GradScaler checked (usually unscaled) an optimizer's gradients of one device/dtype."""
-        scaler, optimizer, still_scaled = scaler_call()
-        if scaler is None or optimizer is None:
-            return
+    def _unscaled(self, scaler, optimizer, still_scaled, grads):
+        """GradScaler checked (usually unscaled) an optimizer's gradients (``grads``, or all)."""
         scaled_by = scaler._scale if still_scaled else None
         if not self._detailed_step():
             # norms are taken at the optimizer step, reusing those of a clip_grad_norm_ in between
             self.deferred[id(optimizer)] = (scaled_by, scaler._scale)
             return
-        grads = {id(g) for g in args[0]}
+        ids = None if grads is None else {id(g) for g in grads}
         params = [p for group in optimizer.param_groups for p in group["params"]
-                  if p.grad is not None and id(p.grad) in grads]
+                  if p.grad is not None and (ids is None or id(p.grad) in ids)]
         self._sample(params, scaled_by=scaled_by, loss_scale=scaler._scale)
         self.sampled_optimizers.add(id(optimizer))
 
@@ -377,8 +372,7 @@ class GradHealth(Monitor):
             scaled_by, loss_scale = self.deferred.pop(id(optimizer))
         else:
             scaled_by = None
-            watch = watch_of(self.guard)
-            for state in watch.scaled_pending() if watch else ():
+            for state in self._watch.scaled_pending():
                 if state.stage(optimizer) is OptState.READY:
                     # stepping on scaled gradients (AMP006): judge them unscaled
                     scaled_by = state.scaler._scale

@@ -1,22 +1,33 @@
 """GradScaler state: loss-scale history (AMP107-AMP109) and the bookkeeping the scaler rules share.
 
-Nothing here wraps or patches a scaler. Scalers are found where they show themselves: the guard's
-mode sees ``torch._amp_foreach_non_finite_check_and_unscale_`` (called by ``unscale_``/``step``) and
-``torch._amp_update_scale_`` (called by ``update``); the ``GradScaler`` running them is the ``self``
-of the calling frame. A loss scaled by a scaler not seen yet (``scaler.scale(loss).backward()`` in
-the first step) is matched to its scaler by the scale tensor it was multiplied with.
+While a guard is active, ``GradScaler``'s ``unscale_``, ``_check_inf_per_device``, ``step`` and
+``update`` run with the guard's mode suspended: they read ``.grad``, ``.dtype``, ``.device`` of
+every parameter, each read a crossing into the mode, which made GradScaler's bookkeeping most of
+the mode's work in an fp16 step. What they did is read from the scaler's own state around them
+(the per-optimizer ``found_inf_per_device``, ``_scale`` before and after ``update``). The methods
+are replaced on the class, not on the scaler (which stays picklable and copyable), only while a
+guard is active; in other threads and for subclasses that override them they run as before.
+
+Scalers whose methods are not those (subclasses) are observed through the guard's mode, which sees
+``torch._amp_foreach_non_finite_check_and_unscale_`` and ``torch._amp_update_scale_``; the
+``GradScaler`` running them is the ``self`` of the calling frame. A loss scaled by a scaler not seen
+yet (``scaler.scale(loss).backward()`` in the first step) is matched to its scaler by the scale
+tensor it was multiplied with.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import sys
+import threading
 import warnings
 import weakref
 from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
+from torch.compiler import is_compiling
 
 from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.thresholds import Thresholds
@@ -179,6 +190,65 @@ def backward_root(func, args, kwargs) -> Optional[torch.Tensor]:
 #: The torch functions a backward pass starts from.
 BACKWARD_FUNCTIONS = (torch.Tensor.backward, torch.autograd.backward)
 
+#: GradScaler methods run with the guard's mode suspended while a guard is active.
+_UNOBSERVED_METHODS = ("unscale_", "_check_inf_per_device", "step", "update")
+#: A scaler class overriding any of these (or of the above) is observed through the mode.
+_HELPER_METHODS = ("_unscale_grads_", "_maybe_opt_step")
+_TORCH_METHODS = {name: vars(GradScaler)[name] for name in _UNOBSERVED_METHODS + _HELPER_METHODS}
+
+#: Per thread: the ScalerWatches of the active guards (``.stack``, innermost last).
+_watches = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+_plain_classes: Dict[type, bool] = {}
+
+
+def _watch_for(scaler: GradScaler) -> Optional["ScalerWatch"]:
+    """The ScalerWatch observing ``scaler``'s methods directly: the innermost guard's in this
+    thread, unless the scaler's class overrides them or torch.compile is tracing."""
+    stack = getattr(_watches, "stack", None)
+    if not stack or is_compiling():
+        return None
+    cls = type(scaler)
+    plain = _plain_classes.get(cls)
+    if plain is None:
+        plain = _plain_classes[cls] = all(
+            getattr(cls, name) is getattr(GradScaler, name) for name in _TORCH_METHODS)
+    return stack[-1] if plain else None
+
+
+def _unobserved_method(name: str):
+    original = _TORCH_METHODS[name]
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        watch = _watch_for(self)
+        if watch is None:
+            return original(self, *args, **kwargs)
+        return watch.run_scaler_method(name, original, self, args, kwargs)
+
+    return method
+
+
+_PATCHES = {name: _unobserved_method(name) for name in _UNOBSERVED_METHODS}
+
+
+def _patch_scaler_class(install: bool) -> None:
+    """Put the unobserved methods on GradScaler for the first guard, remove them with the last."""
+    global _patch_users
+    with _patch_lock:
+        _patch_users += 1 if install else -1
+        for name, method in _PATCHES.items():
+            if install and _patch_users == 1:
+                setattr(GradScaler, name, method)
+            elif not install and _patch_users == 0 and vars(GradScaler).get(name) is method:
+                setattr(GradScaler, name, _TORCH_METHODS[name])
+
+
+#: ``listener(scaler, optimizer, still_scaled, grads)`` after a scaler checked an optimizer's
+#: gradients for inf/NaN (unscaling them unless ``still_scaled``); ``grads`` None means all of them.
+CheckListener = Callable[[GradScaler, torch.optim.Optimizer, bool, Optional[list]], None]
+
 
 class ScalerState:
     """What the guard knows about one GradScaler during a run."""
@@ -224,6 +294,20 @@ class ScalerWatch(Monitor):
         self._scale_before: Optional[torch.Tensor] = None
         self._step_record: Dict[str, object] = {}
         self._last_root = None
+        #: Called after a scaler checked an optimizer's gradients (see ``CheckListener``).
+        self.check_listeners: List[CheckListener] = []
+        #: Called as ``listener(scaler)`` after a scaler updated its scale.
+        self.update_listeners: List[Callable[[GradScaler], None]] = []
+        self._patched = False
+
+    def attach(self, guard):
+        super().attach(guard)
+        stack = getattr(_watches, "stack", None)
+        if stack is None:
+            stack = _watches.stack = []
+        stack.append(self)
+        _patch_scaler_class(True)
+        self._patched = True
 
     # -- lookups for the other monitors ------------------------------------------------
 
@@ -273,26 +357,65 @@ class ScalerWatch(Monitor):
             state.scaled_backward = True
 
     def _unscaled(self, func, args, kwargs, out):
-        scaler, optimizer, _ = scaler_call()
+        scaler, optimizer, still_scaled = scaler_call()
         if scaler is not None and optimizer is not None:
-            self.state_of(scaler).optimizers.add(optimizer)
+            self._checked(scaler, optimizer, still_scaled, args[0])
 
     def _before_update(self, func, args, kwargs):
         self._scale_before = args[0].detach().clone()
 
     def _updated(self, func, args, kwargs, out):
-        scale, found_inf = args[0], args[2]
         scaler, _, _ = scaler_call()
-        if scaler is None:
-            return
+        if scaler is not None:
+            self._scale_updated(scaler, self._scale_before, args[0], args[2])
+
+    # -- GradScaler's methods, run unobserved -------------------------------------------
+
+    def run_scaler_method(self, name, original, scaler, args, kwargs):
+        """Run ``original`` (GradScaler's method ``name``) without the mode, then report what it
+        did as the mode would have seen it in the scaler kernels."""
+        with self.guard.unobserved():
+            if name == "update":
+                return self._update(original, scaler, *args, **kwargs)
+            out = original(scaler, *args, **kwargs)
+            if name != "step":  # unscale_ or _check_inf_per_device
+                optimizer = args[0] if args else kwargs.get("optimizer")
+                state = scaler._per_optimizer_states.get(id(optimizer))
+                if state and state["found_inf_per_device"]:  # the check kernel ran
+                    self._checked(scaler, optimizer, name == "_check_inf_per_device", None)
+            return out
+
+    def _update(self, original, scaler, new_scale=None):
+        found = []
+        if new_scale is None and scaler.is_enabled() and scaler._scale is not None:
+            found = [found_inf for state in scaler._per_optimizer_states.values()
+                     for found_inf in state["found_inf_per_device"].values()]
+        if not found:  # no scale update kernel runs
+            return original(scaler, new_scale)
+        scale = scaler._scale
+        before = scale.clone()
+        # as update() combines them (it adds into the first one in place: sum before)
+        found_inf = found[0] if len(found) == 1 else torch.stack(
+            [t.to(scale.device) for t in found]).sum()
+        original(scaler, new_scale)
+        self._scale_updated(scaler, before, scale, found_inf)
+
+    def _checked(self, scaler, optimizer, still_scaled: bool, grads) -> None:
+        self.state_of(scaler).optimizers.add(optimizer)
+        for listener in self.check_listeners:
+            listener(scaler, optimizer, still_scaled, grads)
+
+    def _scale_updated(self, scaler, before, scale, found_inf) -> None:
         state = self.state_of(scaler)
         state.scaled_backward = False
-        values = [self._scale_before.float(), scale.float(), found_inf.float().to(scale.device)]
+        values = [before.float(), scale.float(), found_inf.float().to(scale.device)]
         used, new, inf = torch.stack(values).tolist()
         skipped = inf > 0
         self._step_record = {"loss_scale": used, "skipped": skipped}
         for code, kwargs_ in state.history.observe(new, skipped):
             self.guard.emit(code, op="GradScaler.update", **kwargs_)
+        for listener in self.update_listeners:
+            listener(scaler)
 
     def on_step_end(self, step, record):
         record.setdefault("loss_scale", None)
@@ -302,6 +425,14 @@ class ScalerWatch(Monitor):
 
     def detach(self):
         super().detach()
+        stack = getattr(_watches, "stack", [])
+        if self in stack:
+            stack.remove(self)
+        if self._patched:
+            self._patched = False
+            _patch_scaler_class(False)
+        self.check_listeners.clear()
+        self.update_listeners.clear()
         self.states.clear()
         self._last_root = None
 
