@@ -306,7 +306,10 @@ def test_scaler_updated_by_the_caller_or_another_method():
         def helper(scaler, opt):
             scaler.unscale_(opt)
             scaler.step(opt)
-        def orphan(scaler, opt):
+        def orphan(scaler, opt, loss):
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+        def helper_called_elsewhere(scaler, opt):
             scaler.unscale_(opt)
             scaler.step(opt)
         def train(loss, opt):
@@ -335,6 +338,7 @@ def test_scaler_updated_by_the_caller_or_another_method():
     }
     assert analysis.updated_elsewhere(receivers["helper"])
     assert not analysis.updated_elsewhere(receivers["orphan"])
+    assert analysis.updated_elsewhere(receivers["helper_called_elsewhere"])
     assert analysis.updated_elsewhere(receivers["step"])
     assert analysis.updated_elsewhere(receivers["global_step"])
 
