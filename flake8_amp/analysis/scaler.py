@@ -518,19 +518,59 @@ class ScalerAnalysis:
         or hands the scaler to a call (a helper could unscale it). For ``self.<x>`` that code
         is ``scope``'s class, or the module when the class derives from classes of this
         module; a base class from elsewhere could unscale unseen."""
-        calls = self._module_calls
-        classdef = enclosing_class(scope) if key.startswith("self.") else None
-        if classdef is not None:
-            bases = [b for b in classdef.bases if b.as_string() != "object"]
-            if not all(self._defined_here(base) for base in bases):
-                return False
-            if not bases:
-                calls = list(classdef.nodes_of_class(nodes.Call))
+        reach = self._reach(scope) if key.startswith("self.") else self.context.module
+        if reach is None:
+            return False
+        calls = self._module_calls if reach is self.context.module else reach.nodes_of_class(
+            nodes.Call
+        )
         return not any(
             method_call(call)[0] == "unscale_"
             or any(expression_key(arg) == key for arg in _arguments(call))
             for call in calls
         )
+
+    def scaled_for_plain_step(self, step: nodes.Call) -> bool:
+        """A plain ``optimizer.step()`` applies scaled gradients though its function runs no
+        backward before it (``backward()`` scales in one method, ``step()`` steps in
+        another): code that can reach it (:meth:`_reach`) runs a scaled backward through a
+        scaler built in this module, and none of it steps through a scaler, unscales one or
+        hands one on."""
+        function = step.scope()
+        for call in calls_in_order(function):
+            if call is step:
+                break
+            if method_call(call)[0] == "backward":
+                return False
+        reach = self._reach(function)
+        if reach is None:
+            return False
+        scopes = [reach, *reach.nodes_of_class(nodes.FunctionDef)]
+        flows = [self.flow(scope) for scope in scopes if isinstance(scope, nodes.FunctionDef)]
+        if isinstance(reach, nodes.Module):
+            flows.append(self.flow(reach))
+        scaling = [flow for flow in flows if flow.scaled_backwards]
+        return (
+            bool(scaling)
+            and not any(flow.scaler_steps for flow in flows)
+            and all(
+                scaler.constructions and self.never_unscaled(scaler.key, flow.scope)
+                for flow in scaling
+                for scaler in flow.scalers.values()
+            )
+        )
+
+    def _reach(self, scope: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+        """The code that shares ``self`` with ``scope``: its class, or the module when the
+        class derives from classes of this module (or ``scope`` is no method); None when a
+        base class from elsewhere does too."""
+        classdef = enclosing_class(scope)
+        if classdef is None:
+            return self.context.module
+        bases = [b for b in classdef.bases if b.as_string() != "object"]
+        if not all(self._defined_here(base) for base in bases):
+            return None
+        return classdef if not bases else self.context.module
 
     def _builds_scaler(self, call: nodes.Call) -> bool:
         callee = self.names.callee(call)

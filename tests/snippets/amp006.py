@@ -160,6 +160,21 @@ def multiline_plain_step(model, batch, optimizer, scaler, closure):
 # ---------------------------------------------------------------- negatives
 
 
+class ScaledBackwardPlainStepInAnotherMethod:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        self.optimizer.step()  # AMP006
+        self.scaler.update()
+        self.optimizer.zero_grad()
+
+
 def scaler_step_and_update(model, batch, optimizer, scheduler, scaler):
     with torch.autocast("cuda"):
         loss = model(batch)
@@ -399,3 +414,48 @@ def optimizer_known_by_its_class(model, batch, scaler):
         loss = model(batch)
     scaler.scale(loss).backward()
     adam.step()  # AMP006
+
+
+class StepperFromAnotherModule(Accelerator):
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        self.optimizer.step()
+
+
+class ScalerHandedToAStepHelper:
+    def __init__(self, model, optimizer, step_fn):
+        self.model = model
+        self.optimizer = optimizer
+        self.step_fn = step_fn
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def sync(self):
+        self.step_fn(self.scaler, self.optimizer)
+
+    def step(self):
+        self.optimizer.step()
+
+
+class OwnBackwardBeforeThePlainStep:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def amp_backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def fp32_step(self, batch):
+        self.model(batch).backward()
+        self.optimizer.step()
