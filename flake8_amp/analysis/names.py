@@ -221,10 +221,16 @@ class Names:
         return classes.pop() if len(classes) == 1 else None
 
     def local_class(self, expr: nodes.NodeNG) -> Optional[nodes.ClassDef]:
-        """The class defined in this module whose call built ``expr``'s object, if any."""
+        """The class defined in this module whose call built ``expr``'s object, if any
+        (``Net(...)``, ``model`` after ``model = Net(...)``, ``self.criterion`` after
+        ``self.criterion = DiceLoss()``)."""
         if isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Name):
             classes = [b for b in self.bindings(expr.func) if isinstance(b, nodes.ClassDef)]
             return classes[0] if len(classes) == 1 else None
+        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            values = self.self_attribute_values(expr)
+            built = {self.local_class(v) if isinstance(v, nodes.Call) else None for v in values}
+            return built.pop() if len(built) == 1 else None
         if not isinstance(expr, nodes.Name):
             return None
         statement = expr.statement()

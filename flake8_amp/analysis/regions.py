@@ -9,7 +9,8 @@ aliases of these, project wrappers and methods whose name contains ``autocast`` 
 defined in the module and called only from inside regions inherits the region (so does
 ``Net.forward`` when every ``model = Net(...)`` instance is called only inside regions).
 ``enabled=False`` opens an island where autocast is off (tensors arriving in fp16 stay
-fp16). A variable merely named ``ctx`` is not autocast.
+fp16), as do wrappers named for turning it off (``disable_autocast()``). A variable
+merely named ``ctx`` is not autocast.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Dict, List, Optional, Set
 
 from astroid import nodes
 
+from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import (
     Callee,
     enclosing_class,
@@ -37,6 +39,9 @@ NULL_CONTEXTS = frozenset(
 )
 #: ``custom_fwd(cast_inputs=...)`` runs the decorated forward with autocast disabled.
 CUSTOM_FWD = frozenset({"torch.amp.custom_fwd", "torch.cuda.amp.custom_fwd"})
+
+#: Words in a wrapper's name that say it turns autocast off.
+DISABLING_WORDS = frozenset({"no", "not", "disable", "disabled", "disabling", "without", "off"})
 
 CUDA, CPU = "cuda", "cpu"
 FP16, BF16 = "fp16", "bf16"
@@ -156,12 +161,13 @@ class Regions:
             elif isinstance(func, nodes.Name) and function in self.names.bindings(func):
                 sites.append(call)
         if function.name == "forward" and isinstance(owner, nodes.ClassDef):
-            # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module.
+            # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module
+            # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``).
             sites.extend(
                 call
                 for calls in self._calls_by_name.values()
                 for call in calls
-                if isinstance(call.func, nodes.Name) and self.names.local_class(call.func) is owner
+                if self.names.local_class(call.func) is owner
             )
         return sites
 
@@ -205,7 +211,9 @@ class Regions:
                     return region
             if "autocast" in simple_name(expr).lower():
                 # A decorator such as ``@torch.autocast`` is not a region without a call.
-                return Region(owner, None, None, None) if not _is_decorator(expr) else None
+                if _is_decorator(expr):
+                    return None
+                return Region(owner, _wrapper_enabled(simple_name(expr), None), None, None)
         return None
 
     def _values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
@@ -321,7 +329,8 @@ class Regions:
                 return region
         name = simple_name(call.func)
         if name in self._extra_names or "autocast" in name.lower():
-            return Region(owner, _literal_enabled(keyword_value(call, "enabled"), None), None, None)
+            enabled = _literal_enabled(keyword_value(call, "enabled"), None)
+            return Region(owner, _wrapper_enabled(name, enabled), None, None)
         return None
 
 
@@ -342,6 +351,12 @@ def _torch_autocast_region(callee: Callee, owner: nodes.NodeNG, names) -> Region
     else:
         dtype = _DTYPE_NAMES.get(names.qualname(dtype_node) or "")
     return Region(owner, _literal_enabled(enabled_node, True), device, dtype)
+
+
+def _wrapper_enabled(name: str, enabled: Optional[bool]) -> Optional[bool]:
+    """A project wrapper named for turning autocast off (``disable_autocast()``,
+    ``no_autocast``) opens an ``enabled=False`` island, whatever its arguments."""
+    return False if DISABLING_WORDS.intersection(name_words(name)) else enabled
 
 
 def _literal_enabled(node: Optional[nodes.NodeNG], default: Optional[bool]) -> Optional[bool]:

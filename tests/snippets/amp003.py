@@ -170,6 +170,22 @@ def model_forward_runs_in_region(x, y):
         return model(x, y)
 
 
+
+class DiceBceLoss(nn.Module):
+    def forward(self, probs, targets):
+        return F.binary_cross_entropy(probs, targets)  # AMP003
+
+
+class SegmentationTrainer:
+    def __init__(self, model):
+        self.model = model
+        self.criterion = DiceBceLoss()
+
+    def train_step(self, images, masks):
+        with torch.autocast("cuda"):
+            return self.criterion(torch.sigmoid(self.model(images)), masks)
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -300,3 +316,10 @@ def model_forward_outside_region(x, y):
     with torch.autocast("cuda"):
         features = x * 2
     return model(features.float(), y)
+
+
+def project_wrapper_turning_autocast_off(model, x, y, disable_autocast):
+    with torch.autocast("cuda"):
+        logits = model(x)
+        with disable_autocast():
+            return F.binary_cross_entropy(torch.sigmoid(logits.float()), y)
