@@ -26,6 +26,7 @@ import types
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from .events import GuardError
 from .html_report import REPORT_FILE, ReportError, build_report
 
 PROG = "python -m amp_runtime"
@@ -50,6 +51,17 @@ def _codes(text: str) -> List[str]:
     return codes
 
 
+def _shape(text: str) -> tuple:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected positive sizes separated by commas, e.g. 8,3,32,32, got {text!r}")
+    return shape
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Runtime guard for PyTorch mixed-precision training.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -57,24 +69,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="run a training script under a guard and write a report",
-        description="Run SCRIPT as __main__ inside amp_runtime.guard(); write events.jsonl, "
-                    "metrics.jsonl and report.html to --out; print the events table at the end. "
-                    "Options go before SCRIPT; everything after it is passed to the script.",
+        usage=f"{PROG} run [options] SCRIPT [ARGS...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run SCRIPT as __main__ inside amp_runtime.guard(), as `python SCRIPT ARGS`\n"
+                    "would (same sys.argv, sys.path[0] and exit status); write events.jsonl,\n"
+                    "metrics.jsonl and report.html to --out; print the events table at the end.\n"
+                    "Options go before SCRIPT: everything after it goes to the script unchanged,\n"
+                    "even options spelled like run's own (--out, --policy).",
+        epilog=f"""examples:
+  {PROG} run train.py --epochs 1
+  {PROG} run --trace always --out reports/run1 train.py --lr 3e-4
+  {PROG} run --policy raise --select AMP1 train.py   (stop at the first numeric problem)
+  {PROG} report reports/run1   (rebuild the page from the logs)""",
     )
     run.add_argument("--policy", choices=("warn", "raise", "record"), default="warn",
                      help="warn (default): print each event; raise: stop at the first P0/P1 event; "
                           "record: only collect")
     run.add_argument("--trace", choices=("off", "auto", "always"), default="auto",
-                     help="per-op checks: off, auto (on after an anomaly; default) or always")
+                     help="per-op checks: off, auto (on after an anomaly; default) or always "
+                          "(slower; pins the first overflow to its op)")
     run.add_argument("--select", type=_codes, metavar="CODES",
                      help="only these codes/prefixes, e.g. AMP1,AMP003")
     run.add_argument("--ignore", type=_codes, metavar="CODES", help="skip these codes/prefixes")
     run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                      help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/)")
     run.add_argument("--no-report", action="store_true", help="write the logs but not report.html")
-    run.add_argument("script", metavar="SCRIPT", help="the Python script to run")
-    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
-                     help="arguments for the script")
+    # One REMAINDER positional: argparse would drop a "--" that follows a separate SCRIPT
+    # positional, and the script must see its arguments exactly as typed.
+    run.add_argument("script_argv", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                     help="the Python script to run and its arguments")
 
     report = commands.add_parser(
         "report", help="build report.html from a guard's log folder",
@@ -93,19 +116,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = commands.add_parser(
         "compare", help="per-module error of autocast against float32",
-        description="Import FACTORY from MODULE (a module name or a path to a .py file), call it "
-                    "with no arguments; it returns (model, inputs), inputs being a tensor, a tuple "
-                    "of positional arguments or a dict of keyword arguments. Then compare every "
-                    "module's output under autocast with float32 and name the modules to keep in "
-                    "float32. Example: python -m amp_runtime compare model.py:example "
-                    "--dtype float16",
+        usage=f"{PROG} compare [options] MODULE:FACTORY",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Run a model in float32 and under autocast, compare every module's output and name the
+modules to keep in float32 (with a snippet that does it).
+
+MODULE is a module name (mypkg.models) or a .py file; FACTORY, a callable in it, is
+called with no arguments, after torch.manual_seed(0) so random inputs repeat, and returns
+  - (model, inputs): inputs a tensor, a tuple of positional arguments or a dict of
+    keyword arguments, or
+  - a model alone (an nn.Module class is such a factory): give --input-shape.""",
+        epilog=f"""\
+example factory, in model.py:
+  def example():
+      model = MyNet().eval()
+      return model, torch.randn(8, 3, 32, 32)
+
+examples:
+  {PROG} compare model.py:example --dtype float16
+  {PROG} compare mypkg.models:MyNet --input-shape 8,3,32,32
+  {PROG} compare model.py:example --json > errors.json""",
     )
     compare.add_argument("target", metavar="MODULE:FACTORY",
                          help="e.g. mypkg.models:example or model.py:example")
+    compare.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
+                         help="for a FACTORY that returns only a model: random float32 inputs "
+                              "of this shape, e.g. 8,3,32,32 (repeat for more arguments)")
     compare.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
                          help="low-precision dtype (default: bfloat16)")
     compare.add_argument("--device-type", metavar="TYPE",
-                         help="autocast device type (default: the inputs')")
+                         help="autocast device type; must be where the model and inputs are "
+                              "(default: theirs)")
     compare.add_argument("--tolerance", type=float, metavar="REL_L2",
                          help="own relative L2 error above which a module is named "
                               "(default: 4 x dtype eps)")
@@ -132,9 +174,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(options) -> int:
-    script = Path(options.script)
+    argv = options.script_argv
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    if not command:
+        raise CliError(f"{PROG} run: the following arguments are required: SCRIPT (see --help)")
+    script, script_args = Path(command[0]), command[1:]
     if not script.is_file():
-        raise CliError(f"run: {options.script}: no such file")
+        raise CliError(f"run: {command[0]}: no such file")
     import amp_runtime
 
     out = Path(options.out)
@@ -147,7 +193,7 @@ def _run(options) -> int:
         )
     except (ValueError, TypeError) as err:
         raise CliError(f"run: {err}") from None
-    status = _run_script(guard, script, options.args)
+    status = _run_script(guard, script, script_args)
     # a terminal's width; logs (CI) get whole messages
     width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None
     print(guard.report.summary(width=width), file=sys.stderr)
@@ -181,7 +227,7 @@ def _run_script(guard, script: Path, args: List[str]) -> int:
     except SystemExit as exit_:
         return _exit_status(exit_.code)
     except BaseException as err:  # shown as the script's own, then the report is still built
-        _print_script_traceback(err, path)
+        _print_user_traceback(err)
         return 130 if isinstance(err, KeyboardInterrupt) else 1
     finally:
         sys.argv[:], sys.path[0], sys.modules["__main__"] = saved
@@ -197,12 +243,28 @@ def _exit_status(code) -> int:
     return 1
 
 
-def _print_script_traceback(err: BaseException, script_path: str) -> None:
-    """The traceback from the script's first frame on, without this runner's frames."""
+def _print_user_traceback(err: BaseException) -> None:
+    """The traceback as the user's own: without this runner's frames before the user's
+    code and, for a GuardError, without the guard's frames after the user's line."""
     tb = err.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != script_path:
+    while tb is not None and _is_runner_frame(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
+    if isinstance(err, GuardError):
+        last = tb
+        while last is not None and last.tb_next is not None \
+                and not last.tb_next.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            last = last.tb_next
+        if last is not None:
+            last.tb_next = None
     traceback.print_exception(type(err), err, tb, file=sys.stderr)  # tb None: a SyntaxError
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _is_runner_frame(filename: str) -> bool:
+    """This file's frames, and those of runpy/importlib that load a user's module."""
+    return filename in (__file__, runpy.__file__) or filename.startswith("<frozen ")
 
 
 # ---------------------------------------------------------------------------
@@ -231,9 +293,15 @@ def _compare(options) -> int:
 
     from .compare import compare
 
-    model, inputs = _load_factory(options.target)
     if options.top < 1:
         raise CliError("compare: --top must be at least 1")
+    try:
+        model, inputs = _model_and_inputs(options, torch)
+    except CliError:
+        raise
+    except Exception as err:  # the user's module or factory failed: show it as their own
+        _print_user_traceback(err)
+        return 1
     try:
         result = compare(model, inputs, dtype=getattr(torch, options.dtype),
                          device_type=options.device_type, tolerance=options.tolerance)
@@ -246,8 +314,28 @@ def _compare(options) -> int:
     return 0
 
 
+def _model_and_inputs(options, torch):
+    """Call the factory (seeded, so random inputs repeat) and interpret what it returns."""
+    factory, name = _load_factory(options.target)
+    torch.manual_seed(0)
+    made = factory()
+    if isinstance(made, torch.nn.Module):
+        if not options.input_shape:
+            raise CliError(f"compare: {name}() returned a model without inputs: give "
+                           "--input-shape (e.g. --input-shape 8,16) or return (model, inputs)")
+        device = next((p.device for p in made.parameters()), torch.device("cpu"))
+        return made, tuple(torch.randn(shape, device=device) for shape in options.input_shape)
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise CliError(f"compare: {name}() must return (model, inputs) or a model, "
+                       f"got {type(made).__name__}")
+    if options.input_shape:
+        raise CliError(f"compare: {name}() returned its own inputs; --input-shape is for "
+                       "factories that return only a model")
+    return made
+
+
 def _load_factory(target: str):
-    """``(model, inputs)`` from FACTORY in MODULE (``module:factory`` or ``file.py:factory``)."""
+    """FACTORY from MODULE (``module:factory`` or ``file.py:factory``), and its name."""
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise CliError(f"compare: {target!r} is not MODULE:FACTORY (e.g. model.py:example)")
@@ -262,14 +350,13 @@ def _load_factory(target: str):
         try:
             namespace = vars(importlib.import_module(module_name))
         except ModuleNotFoundError as err:
+            if module_name != err.name and not module_name.startswith(f"{err.name}."):
+                raise  # the module was found; an import inside it failed
             raise CliError(f"compare: cannot import {module_name}: {err}") from None
     factory = namespace.get(attr)
     if not callable(factory):
         raise CliError(f"compare: {module_name} has no callable {attr!r}")
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise CliError(f"compare: {attr}() must return (model, inputs), got {type(made).__name__}")
-    return made
+    return factory, attr
 
 
 _COMMANDS = {"run": _run, "report": _report, "doctor": _doctor, "compare": _compare}

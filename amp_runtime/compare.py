@@ -232,7 +232,11 @@ def compare(
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     args, kwargs = _as_call(inputs)
-    device_type = device_type or _device_type(model, args, kwargs)
+    data_device = _device_type(model, args, kwargs)
+    if device_type not in (None, data_device):  # autocast would not touch the model's ops
+        raise ValueError(f"device_type {device_type!r} does not match the model and inputs, "
+                         f"which are on {data_device!r}")
+    device_type = data_device
     if not torch.amp.is_autocast_available(device_type):
         raise ValueError(f"autocast is not available for device type {device_type!r}")
     if tolerance is None:
@@ -244,7 +248,10 @@ def compare(
     cuda = {t.device.index or 0 for t in _tensors((args, kwargs)) if t.device.type == "cuda"}
     devices = sorted(cuda)
     with _preserved(model, train), torch.random.fork_rng(devices=devices), torch.no_grad():
-        ref_outputs, ref_inputs = _record(model, names, args, kwargs, device_type, None)
+        try:
+            ref_outputs, ref_inputs = _record(model, names, args, kwargs, device_type, None)
+        except RuntimeError as err:
+            raise RuntimeError(f"the model fails in float32 on these inputs: {err}") from err
         try:
             low_outputs, low_inputs = _record(model, names, args, kwargs, device_type, dtype)
         except RuntimeError as err:

@@ -77,6 +77,7 @@ def test_run_options_select_policy_and_no_report(tmp_path):
     assert raised.returncode == 1
     assert 'File "' in raised.stderr and "overflow.py\", line 3" in raised.stderr
     assert "GuardError: AMP101" in raised.stderr
+    assert "amp_runtime/" not in raised.stderr  # the traceback ends at the user's line
 
 
 def test_a_failing_script_shows_its_own_traceback_and_exit_status(tmp_path):
@@ -137,6 +138,7 @@ BAD_INPUT = [
     ((), "the following arguments are required: COMMAND"),
     (("bogus",), "invalid choice: 'bogus'"),
     (("run",), "the following arguments are required: SCRIPT"),
+    (("run", "--"), "the following arguments are required: SCRIPT"),
     (("run", "missing.py"), "run: missing.py: no such file"),
     (("run", "--trace", "sometimes", "x.py"), "invalid choice: 'sometimes'"),
     (("run", "--select", ",", "x.py"), "expected AMP codes"),
@@ -146,20 +148,41 @@ BAD_INPUT = [
     (("compare", "nocolon"), "is not MODULE:FACTORY"),
     (("compare", "no_such_module:f"), "cannot import no_such_module"),
     (("compare", "missing.py:f"), "missing.py: no such file"),
+    (("compare", "model.py:bare"), "bare() returned a model without inputs: give --input-shape"),
+    (("compare", "model.py:example", "--input-shape", "4,8"),
+     "--input-shape is for factories that return only a model"),
+    (("compare", "model.py:bare", "--input-shape", "4,x"), "expected positive sizes"),
+    (("compare", "model.py:example", "--device-type", "cuda"),
+     "device_type 'cuda' does not match the model and inputs, which are on 'cpu'"),
 ]
+
+MODEL = """\
+    import torch
+    from torch import nn
+
+    def example():
+        return nn.Linear(8, 2), torch.randn(4, 8)
+
+    def bare():
+        return nn.Linear(8, 2)
+
+    def broken():
+        raise ValueError("no data here")
+"""
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUT)
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.py").write_text("print('never runs')\n", encoding="utf-8")
+    script(tmp_path / "model.py", MODEL)
     assert main(list(args)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err
 
 
 def test_bad_input_through_the_real_command_line(tmp_path):
-    for args, message in (BAD_INPUT[0], BAD_INPUT[3], BAD_INPUT[7]):
+    for args, message in (BAD_INPUT[0], BAD_INPUT[4], BAD_INPUT[8]):  # none, run, report
         result = amp_runtime(*args, cwd=tmp_path)
         assert result.returncode == 2
         assert result.stderr.count("\n") == 1 and message in result.stderr
@@ -186,3 +209,49 @@ def test_guard_and_compare_stay_the_functions_when_their_submodules_are_imported
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_run_passes_everything_after_the_script_on_verbatim(tmp_path):
+    script(tmp_path / "argv.py", "import sys\nprint(sys.argv[1:])\n")
+    after_script = amp_runtime("run", "--no-report", "argv.py", "--", "--out", "x", cwd=tmp_path)
+    assert after_script.stdout.strip() == "['--', '--out', 'x']", after_script.stderr
+    before_script = amp_runtime("run", "--no-report", "--", "argv.py", "--policy", "raise",
+                                cwd=tmp_path)
+    assert before_script.stdout.strip() == "['--policy', 'raise']", before_script.stderr
+
+
+def test_compare_builds_inputs_for_a_bare_model_and_repeats_itself(tmp_path):
+    script(tmp_path / "nets.py", """\
+        import torch
+        from torch import nn
+
+        class Net(nn.Sequential):
+            def __init__(self):
+                super().__init__(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+        def noisy():  # unseeded: the command seeds before calling it
+            return Net(), torch.randn(4, 8)
+    """)
+    bare = amp_runtime("compare", "nets.py:Net", "--input-shape", "4,8", "--json", cwd=tmp_path)
+    assert bare.returncode == 0, bare.stderr
+    assert {m["name"] for m in json.loads(bare.stdout)["modules"]} == {"(model)", "0", "1", "2"}
+    first, second = (amp_runtime("compare", "nets.py:noisy", "--json", cwd=tmp_path).stdout
+                     for _ in range(2))
+    assert first == second and json.loads(first)["modules"]
+
+
+def test_a_failing_factory_shows_its_own_traceback(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path / "model.py", MODEL)
+    assert main(["compare", "model.py:broken"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n  File \"model.py\", line 11")
+    assert err.endswith("ValueError: no data here\n") and "cli.py" not in err
+
+
+def test_help_of_run_and_compare_shows_examples(capsys):
+    for command, example in (("run", "run train.py --epochs 1"),
+                             ("compare", "compare mypkg.models:MyNet --input-shape 8,3,32,32")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"python -m amp_runtime {example}" in capsys.readouterr().out

@@ -138,3 +138,10 @@ def test_bad_arguments_are_clear(net_and_input):
         compare(model, x, tolerance=0)
     with pytest.raises(TypeError, match="needs an nn.Module"):
         compare(lambda t: t, x)
+
+
+def test_a_model_that_fails_in_float32_or_on_another_device_is_named_as_such():
+    with pytest.raises(RuntimeError, match="the model fails in float32 on these inputs: mat1"):
+        compare(nn.Linear(4, 2), torch.randn(3, 5))
+    with pytest.raises(ValueError, match="device_type 'cuda' does not match .* on 'cpu'"):
+        compare(nn.Linear(4, 2), torch.randn(3, 4), device_type="cuda")
