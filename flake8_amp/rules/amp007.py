@@ -5,7 +5,8 @@ known fp32, bf16 or integer is fine; unknown is a finding inside an autocast reg
 (not bf16) and in model code (methods of ``nn.Module`` classes and the functions of a
 module that defines them), where the tensor is whatever dtype the caller runs in.
 Literals are followed through names (``NEG_INF = -1e9``, ``self.mask_value``); a
-dtype-conditional value (``-1e9 if x.dtype == torch.float32 else -1e4``) is fine.
+dtype-conditional value (``-1e9 if x.dtype == torch.float32 else -1e4``) is fine, and so is
+an integer written into a tensor named for indices (``input_ids.masked_fill(m, 128001)``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Optional, Tuple
 
 from astroid import nodes
 
+from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
 from flake8_amp.analysis.names import is_self, last_part
-from flake8_amp.analysis.scaler import method_call
+from flake8_amp.analysis.scaler import expression_key, method_call
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
 
@@ -49,6 +51,10 @@ CONTAINER_NODES = (
     nodes.Tuple,
 )
 BUILTIN_CONTAINERS = frozenset({"list", "dict", "set"})
+#: Last words of names of integer tensors: token ids, indices, positions.
+INDEX_NAME_WORDS = frozenset(
+    {"id", "ids", "idx", "idxs", "index", "indices", "token", "tokens", "position", "positions"}
+)
 #: Tensor methods whose result is a numpy array or a Python list.
 TO_PYTHON_METHODS = frozenset({"numpy", "tolist"})
 CONTAINER_FACTORIES = frozenset({"collections.defaultdict", "collections.OrderedDict"})
@@ -162,6 +168,8 @@ class Fp16OverflowLiteral(Check):
         value = numeric_constant(value_node, self.context.names)
         if value is None or not math.isfinite(value) or abs(value) <= FP16_MAX:
             return
+        if self._index_fill(target, value_node):
+            return
         if self._can_be_fp16(node, target, dtype_node):
             self.report(node, value=f"{value:g}", op=op)
 
@@ -172,11 +180,29 @@ class Fp16OverflowLiteral(Check):
         for target in node.targets:
             if not isinstance(target, nodes.Subscript) or _keyed_by_string(target):
                 continue
-            if self._python_container(target.value):
+            if self._python_container(target.value) or self._index_fill(target.value, node.value):
                 continue
             if self._can_be_fp16(node, target.value, None):
                 self.report(node, value=f"{value:g}", op="an indexed assignment")
                 return
+
+    def _index_fill(self, target: Optional[nodes.NodeNG], value: Optional[nodes.NodeNG]) -> bool:
+        """An integer written into a tensor named for indices (``input_ids.masked_fill(m,
+        128001)``, ``token_idx.new_full(n, 100000)``): a token id or index, not a float."""
+        key = expression_key(target) if target is not None else None
+        words = name_words(key.rsplit(".", 1)[-1]) if key is not None else []
+        if not words or words[-1] not in INDEX_NAME_WORDS:
+            return False
+        while isinstance(value, nodes.UnaryOp) and value.op in ("-", "+"):
+            value = value.operand
+        if isinstance(value, nodes.Name):
+            values = self.context.names.assigned_values(value) or []
+            value = values[0] if len(values) == 1 else None
+        return (
+            isinstance(value, nodes.Const)
+            and isinstance(value.value, int)
+            and not isinstance(value.value, bool)
+        )
 
     def _python_container(self, expr: nodes.NodeNG) -> bool:
         """``expr`` is bound to a list, dict, set or numpy array (``t.cpu().numpy()``), not a

@@ -237,3 +237,10 @@ def python_list_of_scores(scores):
     values = scores.tolist()
     values[0] = -1e9
     return values
+
+
+class TokenIds(nn.Module):
+    def forward(self, input_ids, pad_mask, n):
+        input_ids = input_ids.masked_fill(pad_mask, 128001)
+        token_idx = input_ids.new_full((n,), 151643)
+        return input_ids, token_idx
