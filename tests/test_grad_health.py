@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from amp_runtime.monitors.grads import (
-    FP16_FLUSH_LIMIT, GradSample, gradient_stats, judge_gradients, layer_of, read_samples,
+    FP16_FLUSH_LIMIT, GradSample, gradient_stats, judge_gradients, layer_of, layer_stats,
+    quiet_norm, read_host, read_samples, total_norm,
 )
 from amp_runtime.thresholds import Thresholds
 
@@ -152,6 +153,35 @@ def test_judge_nonfinite_grad_hides_norm_findings():
     findings = judge_gradients(layers, None, Thresholds())
     assert [code for code, _ in findings] == ["AMP103"]
     assert findings[0][1]["module"] == "enc"
+
+
+def norms_only(named_grads, scale=None):
+    """A norms-only sample (the statistics of a step that is not detailed)."""
+    grads = list(named_grads.values())
+    scale_tensor = None if scale is None else torch.tensor(scale)
+    return GradSample(names=list(named_grads), shapes=[g.shape for g in grads],
+                      stats=gradient_stats(grads, detailed=False), scaled_by=scale_tensor,
+                      loss_scale=scale_tensor)
+
+
+@pytest.mark.parametrize("values", [
+    (1.0, 2.0),  # healthy
+    (1e6, 1.0),  # exploding
+    (1e-9, 1e-9),  # vanishing in total
+    (1.0, 1e-9),  # one vanishing layer
+    (math.nan, 1.0),
+    (math.inf, 1.0),
+])
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_quiet_norm_is_the_total_exactly_when_judging_finds_nothing(values, scale):
+    factor = 1.0 if scale is None else scale
+    grads = {f"layer{i}.weight": torch.full((4,), v * factor) for i, v in enumerate(values)}
+    samples = [norms_only(grads, scale)]
+    host, factors, scales = read_host(samples)
+    layers, loss_scale = layer_stats(samples, host, factors, scales)
+    quiet = quiet_norm(samples, host, factors, Thresholds())
+    assert (quiet is None) == bool(judge_gradients(layers, loss_scale, Thresholds()))
+    assert quiet is None or quiet == total_norm(layers)
 
 
 def test_layer_of():

@@ -45,6 +45,8 @@ DETAIL_EVERY = 16
 
 #: How many layer names a message lists before "…".
 _NAMES_IN_MESSAGE = 5
+#: Parameter lists whose names are kept (one per optimizer and device in most loops).
+_NAME_LISTS = 64
 
 #: Rows of the statistics tensor.
 NORM, MAX, NONZERO, SURVIVES, NORMAL = range(5)
@@ -126,6 +128,12 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
     """A step's samples as layer statistics (one host read) and the loss scale they had."""
     if not samples:
         return [], None
+    return layer_stats(samples, *read_host(samples))
+
+
+def read_host(samples: Sequence[GradSample]) -> Tuple[List[float], List[float], List[float]]:
+    """The samples' statistics as one flat host list (one transfer), and per sample the factor its
+    gradients were still scaled by (1.0 for none) and its loss scale (NaN for none)."""
     # the scale tensors are usually one and the same (the scaler's): read each once
     scale_tensors = {id(t): t for sample in samples
                      for t in (sample.scaled_by, sample.loss_scale) if t is not None}
@@ -135,6 +143,12 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
     read = dict(zip(scale_tensors, host[len(host) - len(scale_tensors):]))
     factors = [1.0 if s.scaled_by is None else read[id(s.scaled_by)] for s in samples]
     scales = [math.nan if s.loss_scale is None else read[id(s.loss_scale)] for s in samples]
+    return host, factors, scales
+
+
+def layer_stats(samples: Sequence[GradSample], host: List[float], factors: List[float],
+                scales: List[float]) -> Tuple[List[LayerGrad], Optional[float]]:
+    """The per-layer statistics in ``read_host``'s values, and the loss scale they had."""
     layers: List[LayerGrad] = []
     offset = 0
     for sample, factor, scale in zip(samples, factors, scales):
@@ -168,6 +182,26 @@ def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Option
 def total_norm(layers: Sequence[LayerGrad]) -> float:
     """The L2 norm over all gradients (NaN/Inf when any gradient is non-finite)."""
     return math.hypot(*(g.norm for g in layers))
+
+
+def quiet_norm(samples: Sequence[GradSample], host: List[float], factors: List[float],
+               limits: Thresholds) -> Optional[float]:
+    """The total norm of a norms-only step in which ``judge_gradients`` can find nothing, else
+    None: most steps are judged on these norms alone, without per-layer statistics."""
+    norms: List[float] = []
+    offset = 0
+    for sample, factor in zip(samples, factors):
+        rows, count = sample.stats.shape
+        if rows > 1:  # a detailed step
+            return None
+        values = host[offset:offset + count]
+        norms += values if factor == 1.0 else [value / factor for value in values]
+        offset += count
+    if not norms:
+        return None
+    total = math.hypot(*norms)
+    quiet = limits.grad_vanishing_total <= total <= limits.grad_explosion  # also False for NaN
+    return total if quiet and min(norms) >= limits.grad_vanishing_layer else None
 
 
 def layer_of(param_name: str) -> str:
@@ -255,6 +289,8 @@ class ParameterNames:
 
     def __init__(self, model: Optional[torch.nn.Module]):
         self._names: Dict[int, str] = {}
+        #: The name lists of the parameter lists met so far, by their ids.
+        self._lists: Dict[Tuple[int, ...], List[str]] = {}
         if model is not None:
             self._add(model)
 
@@ -270,11 +306,17 @@ class ParameterNames:
                 self._add(module)
 
     def names(self, params: Sequence[torch.Tensor]) -> List[str]:
-        if any(id(p) not in self._names for p in params):
-            self._search_modules()
-            for index, param in enumerate(params):
-                self._names.setdefault(id(param), f"param{index}{list(param.shape)}")
-        return [self._names[id(p)] for p in params]
+        key = tuple(map(id, params))  # the same parameters every step: one look-up
+        known = self._lists.get(key)
+        if known is None:
+            if any(id(p) not in self._names for p in params):
+                self._search_modules()
+                for index, param in enumerate(params):
+                    self._names.setdefault(id(param), f"param{index}{list(param.shape)}")
+            if len(self._lists) >= _NAME_LISTS:
+                self._lists.clear()
+            known = self._lists[key] = [self._names[id(p)] for p in params]
+        return known
 
 
 class GradHealth(Monitor):
@@ -400,7 +442,13 @@ class GradHealth(Monitor):
         record.setdefault("grad_norm", None)
         if not samples or record.get("skipped"):
             return  # a scaler caught inf/NaN and skipped the step: AMP107-AMP109's business
-        layers, loss_scale = read_samples(samples)
+        host, factors, scales = read_host(samples)
+        total = quiet_norm(samples, host, factors, self.guard.thresholds)
+        if total is not None:  # nothing to report; AMP106 conditions last until a detailed step
+            self._previous_keys = {key for key in self._previous_keys if key[0] == "AMP106"}
+            record["grad_norm"] = total
+            return
+        layers, loss_scale = layer_stats(samples, host, factors, scales)
         findings = judge_gradients(layers, loss_scale, self.guard.thresholds)
         detailed = layers[0].max is not None
         # AMP105-AMP106 conditions last; report them when they start or change, not at every step
