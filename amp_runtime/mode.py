@@ -107,6 +107,6 @@ class GuardMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         entry = self._table.get(func, self._default)
-        if entry is None:
-            return func(*args, **(kwargs or {}))
+        if entry is None:  # most ops: as little Python as possible
+            return func(*args, **kwargs) if kwargs else func(*args)
         return entry(func, args, kwargs or {})

@@ -46,7 +46,8 @@ class StepDetector(Monitor):
         super().attach(guard)
         self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
         self.keep(register_optimizer_step_post_hook(self._optimizer_step_ends))
-        watch_of(guard).update_listeners.append(self._scaler_updated)
+        self._watch = watch_of(guard)
+        self._watch.update_listeners.append(self._scaler_updated)
 
     def op_handlers(self):
         return {func: OpHandler(before=self._backward_starts) for func in BACKWARD_FUNCTIONS}
@@ -55,6 +56,11 @@ class StepDetector(Monitor):
         guard = self.guard
         own_thread = threading.get_ident() == guard._thread
         return own_thread and not guard.manual_steps and not guard.suspended
+
+    def _scaler_stepping(self) -> bool:
+        """Whether GradScaler.step runs this optimizer step (only a scaler the watch knows can:
+        the frame walk is skipped in loops without one)."""
+        return bool(self._watch.states) and inside_scaler_step()
 
     def _end_step(self, by_optimizer: bool = False) -> None:
         self._stepped.clear()
@@ -70,7 +76,7 @@ class StepDetector(Monitor):
             self._end_step()
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
-        if not self._automatic() or inside_scaler_step():  # scaler.update() ends that step
+        if not self._automatic() or self._scaler_stepping():  # scaler.update() ends that step
             return
         if id(optimizer) in self._stepped:  # a new iteration began before the cycle completed
             self._end_step(by_optimizer=True)
@@ -80,7 +86,7 @@ class StepDetector(Monitor):
             self._joined_ended_step = self._ended_by_optimizer and not self._backward_since_step
 
     def _optimizer_step_ends(self, optimizer, args, kwargs):
-        if not self._automatic() or inside_scaler_step():
+        if not self._automatic() or self._scaler_stepping():
             return
         self._stepped.add(id(optimizer))
         if self._last_in_cycle is None or self._last_in_cycle() is not optimizer:

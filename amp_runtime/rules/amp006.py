@@ -28,6 +28,14 @@ class StepBypassesScaler(Monitor):
     def __init__(self):
         super().__init__()
         self._reported = set()
+        self._watch = None
+
+    @property
+    def watch(self):
+        """The guard's ScalerWatch (attached after this monitor: looked up at first use)."""
+        if self._watch is None:
+            self._watch = watch_of(self.guard)
+        return self._watch
 
     def attach(self, guard):
         super().attach(guard)
@@ -47,8 +55,7 @@ class StepBypassesScaler(Monitor):
         guard = self.guard
         if guard.suspended or threading.get_ident() != guard._thread:
             return
-        watch = watch_of(guard)
-        for state in watch.scaled_pending() if watch is not None else ():
+        for state in self.watch.scaled_pending():
             if state.stage(optimizer) is not OptState.READY:
                 continue
             known = not state.optimizers or optimizer in state.optimizers
@@ -60,9 +67,8 @@ class StepBypassesScaler(Monitor):
                 return
 
     def _backward_starts(self, func, args, kwargs):
-        watch = watch_of(self.guard)
         root = backward_root(func, args, kwargs)
-        state = None if watch is None or root is None else watch.scaler_of_loss(root)
+        state = None if root is None else self.watch.scaler_of_loss(root)
         stepped = state is not None and OptState.STEPPED in state.stages()
         if stepped and self._once_per_step("update"):
             self.guard.emit("AMP006", op="GradScaler.step", detail=(
