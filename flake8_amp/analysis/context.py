@@ -193,7 +193,8 @@ class GradContext:
         detaches it or freezes it (``x.detach().half()``, ``x.data``, ``t.half().eval()``),
         or its function freezes the object it starts from, is assigned to or is fed to
         (``m.requires_grad_(False)``, ``p.requires_grad = False`` for ``p`` in
-        ``m.parameters()``, ``m.eval()`` with no ``m.train()``; ``m(x.half())``,
+        ``m.parameters()``, ``freeze_params(m.parameters())``, ``set_requires_grad(m,
+        False)``, ``m.eval()`` with no ``m.train()``; ``m(x.half())``,
         ``m.encode(x.half())``)."""
         while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
             expr = expr.parent.parent
@@ -223,6 +224,8 @@ class GradContext:
             for node in scope_nodes(scope):
                 if _chain_call(node) and _freezes(node):
                     frozen.add(node.func.expr.as_string())
+                elif isinstance(node, nodes.Call) and _freezing_helper(node):
+                    frozen.update(_object_key(_parameters_owner(arg)) for arg in node.args)
                 elif _chain_call(node) and node.func.attrname == "train":
                     trained.add(node.func.expr.as_string())
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
@@ -303,6 +306,29 @@ def _freezes(call: nodes.Call) -> bool:
         flag = call.args[0] if call.args else keyword_value(call, "requires_grad")
         return _is_false(flag)
     return method == "eval"
+
+
+def _freezing_helper(call: nodes.Call) -> bool:
+    """A project helper that freezes its arguments: ``freeze_params(vae.parameters())``,
+    ``set_requires_grad(net_d, False)``."""
+    words = name_words(simple_name(call.func))
+    if {"bn", "norm", "batchnorm"} & set(words):
+        return False  # ``freeze_bn(model)``: normalisation statistics only
+    if "freeze" in words or "frozen" in words:
+        return True
+    flags = list(call.args[1:]) + [kw.value for kw in call.keywords or ()]
+    return {"requires", "grad"} <= set(words) and any(_is_false(flag) for flag in flags)
+
+
+def _parameters_owner(arg: nodes.NodeNG) -> nodes.NodeNG:
+    """``m`` for ``m.parameters()``; the argument itself otherwise."""
+    if (
+        isinstance(arg, nodes.Call)
+        and isinstance(arg.func, nodes.Attribute)
+        and arg.func.attrname in ("parameters", "named_parameters")
+    ):
+        return arg.func.expr
+    return arg
 
 
 def _freezes_parameters(loop: nodes.For) -> bool:

@@ -135,6 +135,15 @@ def train_model_evaluated_then_trained(model, loader, optimizer):
         optimizer.step()
 
 
+
+def train_with_frozen_batchnorm_only(model, loader, optimizer, freeze_bn):
+    freeze_bn(model)
+    model.half()  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -323,4 +332,23 @@ def train_caching_detached_features(model, loader, optimizer, cache):
         feats = model.backbone(x)
         cache[i] = feats.detach().half()
         model.head(feats, y).backward()
+        optimizer.step()
+
+
+def train_perceptual_with_helper_frozen_net(gen, vgg, loader, optimizer, set_requires_grad):
+    set_requires_grad(vgg, False)
+    vgg.half()
+    for x, y in loader:
+        (vgg(gen(x).half()) - vgg(y.half())).abs().mean().backward()
+        optimizer.step()
+
+
+def train_embeddings_with_frozen_unet(vae, unet, loader, optimizer, freeze_params):
+    freeze_params(vae.parameters())
+    freeze_params(unet.parameters())
+    vae.to(dtype=torch.float16)
+    unet.to(dtype=torch.float16)
+    for batch in loader:
+        latents = vae.encode(batch["pixels"].to(dtype=torch.float16))
+        (unet(latents).float() - batch["noise"]).pow(2).mean().backward()
         optimizer.step()
