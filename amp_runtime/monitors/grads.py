@@ -18,7 +18,9 @@ per step because samples are taken where the optimizer consumes the gradients, n
 """
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import threading
 import weakref
 from dataclasses import dataclass
@@ -47,6 +49,10 @@ DETAIL_EVERY = 16
 _NAMES_IN_MESSAGE = 5
 #: Parameter lists whose names are kept (one per optimizer and device in most loops).
 _NAME_LISTS = 64
+
+_GRAD, _DEVICE, _SHAPE = (operator.attrgetter(name) for name in ("grad", "device", "shape"))
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_PARAMS = operator.itemgetter("params")
 
 #: Rows of the statistics tensor.
 NORM, MAX, NONZERO, SURVIVES, NORMAL = range(5)
@@ -346,14 +352,25 @@ class GradHealth(Monitor):
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _sample(self, params: Sequence[torch.Tensor], scaled_by=None, loss_scale=None) -> None:
-        params = [p for p in params if p.grad is not None and not p.grad.is_sparse]
+    def _sample(self, params: List[torch.Tensor], scaled_by=None, loss_scale=None) -> None:
+        # Once per step over every parameter: the usual case (dense gradients on one device) is
+        # recognised without a Python loop.
+        grads = list(map(_GRAD, params))
+        if any(map(operator.is_, grads, itertools.repeat(None))) or any(map(_IS_SPARSE, grads)):
+            params = [p for p, g in zip(params, grads) if g is not None and not g.is_sparse]
+            grads = list(map(_GRAD, params))
+        if not grads:
+            return
         detailed = self._detailed_step()
-        by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for param in params:
-            by_device.setdefault(param.grad.device, []).append(param)
-        for device_params in by_device.values():
-            grads = [p.grad for p in device_params]
+        groups = [(params, grads)]
+        if len(set(map(_DEVICE, grads))) > 1:
+            by_device: Dict[torch.device, Tuple[list, list]] = {}
+            for param, grad in zip(params, grads):
+                device_params, device_grads = by_device.setdefault(grad.device, ([], []))
+                device_params.append(param)
+                device_grads.append(grad)
+            groups = list(by_device.values())
+        for device_params, grads in groups:
             flush_factor = None
             if loss_scale is not None:
                 # scaled gradients are compared as they are; unscaled ones times the scale
@@ -367,7 +384,7 @@ class GradHealth(Monitor):
                     stats = self._norms_reusing_clip(grads)
             self.pending.append(GradSample(
                 names=self.names.names(device_params),
-                shapes=[g.shape for g in grads],
+                shapes=list(map(_SHAPE, grads)),
                 stats=stats,
                 scaled_by=scaled_by,
                 loss_scale=loss_scale,
@@ -419,7 +436,7 @@ class GradHealth(Monitor):
                     # stepping on scaled gradients (AMP006): judge them unscaled
                     scaled_by = state.scaler._scale
             loss_scale = scaled_by
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
         self._sample(params, scaled_by=scaled_by, loss_scale=loss_scale)
         self.sampled_optimizers.add(id(optimizer))
 
