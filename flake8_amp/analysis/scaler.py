@@ -530,15 +530,15 @@ class ScalerAnalysis:
             for call in calls
         )
 
-    def scaled_for_plain_step(self, step: nodes.Call) -> bool:
-        """A plain ``optimizer.step()`` applies scaled gradients though its function runs no
-        backward before it (``backward()`` scales in one method, ``step()`` steps in
-        another): code that can reach it (:meth:`_reach`) runs a scaled backward through a
-        scaler built in this module, and none of it steps through a scaler, unscales one or
-        hands one on."""
-        function = step.scope()
+    def scaled_elsewhere(self, node: nodes.Call) -> bool:
+        """The gradients ``node`` (a plain ``optimizer.step()`` or a clip) sees are scaled
+        though its function runs no backward before it (``backward()`` scales in one method,
+        ``step()`` clips and steps in another): code that can reach it (:meth:`_reach`) runs
+        a scaled backward through a scaler built in this module, and none of it steps
+        through a scaler, unscales one or hands one on."""
+        function = node.scope()
         for call in calls_in_order(function):
-            if call is step:
+            if call is node:
                 break
             if method_call(call)[0] == "backward":
                 return False

@@ -38,8 +38,11 @@ class ClipBeforeUnscale(Check):
             return  # cheap test before name resolution (names may be import aliases)
         if self.context.names.qualname(node.func) not in CLIP_FUNCTIONS:
             return
-        flow = scaler_analysis(self.context).flow(node)
+        analysis = scaler_analysis(self.context)
+        flow = analysis.flow(node)
         phases = flow.phases_before(node)
         scaled = SCALED in phases and not phases & {UNSCALED, HELPED}
-        if (scaled or flow.scaled_on_entry(node)) and not flow.in_no_scaler_arm(node):
+        if not scaled and phases <= {None}:
+            scaled = flow.scaled_on_entry(node) or analysis.scaled_elsewhere(node)
+        if scaled and not flow.in_no_scaler_arm(node):
             self.report(node, func=last_part(self.context.names.qualname(node.func)))

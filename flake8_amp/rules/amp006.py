@@ -57,7 +57,7 @@ class StepBypassesScaler(Check):
         if HELPED in phases or flow.in_no_scaler_arm(node):
             return
         if not phases & {SCALED, UNSCALED} and not (
-            phases <= {None} and scaler_analysis(self.context).scaled_for_plain_step(node)
+            phases <= {None} and scaler_analysis(self.context).scaled_elsewhere(node)
         ):
             return
         key = expression_key(receiver)

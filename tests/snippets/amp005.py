@@ -143,6 +143,22 @@ class BackwardAndStepInSeparateMethods:
         self.scaler.update()
 
 
+class ClipAndPlainStepInAnotherMethod:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def training_step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+
+    def after_accumulation(self):
+        clip_grad_norm_(self.model.parameters(), 1.0)  # AMP005
+        self.scaler.update()
+
+
 def scaled_branch_then_shared_clip(model, batch, optimizer, scaler, use_amp):
     with torch.autocast("cuda", enabled=use_amp):
         loss = model(batch)
