@@ -98,6 +98,28 @@ class Regions:
             self._opened[node] = self._compute_opened(node)
         return self._opened[node]
 
+    def called_region(self, call: nodes.Call) -> Optional[Region]:
+        """The active region that the same-module function ``call`` calls opens around its
+        whole body (``@torch.autocast(...)`` on its ``def``): what it returns was made
+        under autocast, wherever the call is."""
+        definition = self.called_function(call)
+        region = self.opened_by(definition) if definition is not None else None
+        return region if region is not None and region.active else None
+
+    def called_function(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
+        """The function or method (``self.f(...)``) of this module that ``call`` calls."""
+        func = call.func
+        if isinstance(func, nodes.Name):
+            definitions = self.names.bindings(func)
+        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
+            owner = enclosing_class(call)
+            definitions = [m for m in owner.mymethods() if m.name == func.attrname] if owner else []
+        else:
+            return None
+        if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
+            return None
+        return definitions[0]
+
     def spec(self, expr: nodes.NodeNG) -> Optional[Region]:
         """The region the context-manager expression ``expr`` would open, if autocast."""
         return self._spec(expr, expr, 0)
@@ -230,13 +252,7 @@ class Regions:
         if not isinstance(func, nodes.Name):
             return None
         definitions = [b for b in self.names.bindings(func) if isinstance(b, nodes.FunctionDef)]
-        if len(definitions) != 1:
-            return None
-        returns = [
-            r.value
-            for r in definitions[0].nodes_of_class(nodes.Return, skip_klass=nodes.FunctionDef)
-        ]
-        return returns if returns and all(v is not None for v in returns) else None
+        return returned_values(definitions[0]) if len(definitions) == 1 else None
 
     def _alternatives(
         self,
@@ -332,6 +348,12 @@ class Regions:
             enabled = _literal_enabled(keyword_value(call, "enabled"), None)
             return Region(owner, _wrapper_enabled(name, enabled), None, None)
         return None
+
+
+def returned_values(function: nodes.FunctionDef) -> Optional[List[nodes.NodeNG]]:
+    """The values ``function`` returns; None if it has a bare ``return`` or none."""
+    returns = [r.value for r in function.nodes_of_class(nodes.Return, skip_klass=nodes.FunctionDef)]
+    return returns if returns and all(v is not None for v in returns) else None
 
 
 def _torch_autocast_region(callee: Callee, owner: nodes.NodeNG, names) -> Region:

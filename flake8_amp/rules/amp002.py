@@ -8,6 +8,7 @@ from astroid import nodes
 
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
 from flake8_amp.analysis.names import Callee, assigned_value, last_part, simple_name
+from flake8_amp.analysis.regions import returned_values
 from flake8_amp.engine import Check, Options, mentions_autocast
 
 #: Functional losses whose names do not end in ``_loss``.
@@ -86,7 +87,7 @@ class LossOutsideAutocast(Check):
             if value is None or binding.statement() is statement or dtypes.of(value) in (FP32, INT):
                 continue
             if self._forward_output(value):
-                if self.context.regions.autocast_at(binding) is not None:
+                if self._under_autocast(binding, value):
                     return True
                 continue
             source = _strip(value)
@@ -94,6 +95,19 @@ class LossOutsideAutocast(Check):
                 if self._made_under_autocast(source, hops - 1):
                     return True
         return False
+
+    def _under_autocast(self, binding: nodes.NodeNG, value: nodes.NodeNG) -> bool:
+        """The assignment runs in an autocast region, or calls a function of this module
+        that runs wholly under autocast (``@torch.autocast(...)`` on its ``def``) and does
+        not upcast what it returns."""
+        regions = self.context.regions
+        if regions.autocast_at(binding) is not None:
+            return True
+        core = _strip(value)
+        if not isinstance(core, nodes.Call) or regions.called_region(core) is None:
+            return False
+        returns = returned_values(regions.called_function(core)) or []
+        return any(self.context.dtypes.of(v) not in (FP32, INT) for v in returns)
 
     def _forward_output(self, value: nodes.NodeNG) -> bool:
         """``model(x)``, ``self.net(x)[0]``, ``ddp_model(x)``, ``x @ w``: low precision, or

@@ -167,6 +167,17 @@ def upcast_only_on_one_path(model, x, y, debug):
     return criterion(out, y)  # AMP002
 
 
+
+@torch.autocast("cuda", dtype=torch.float16)
+def forward_under_autocast(model, x):
+    return model(x)
+
+
+def loss_on_decorated_forward(model, x, y):
+    logits = forward_under_autocast(model, x)
+    return F.cross_entropy(logits, y)  # AMP002
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -326,3 +337,13 @@ def fresh_fp32_forward_for_logging(model, loader, optimizer):
             with torch.no_grad():
                 out = model(x)
             print(criterion(out, y).item())
+
+
+@torch.autocast("cuda", dtype=torch.float16)
+def forward_upcast_under_autocast(model, x):
+    return model(x).float()
+
+
+def loss_on_decorated_upcast_forward(model, x, y):
+    logits = forward_upcast_under_autocast(model, x)
+    return F.cross_entropy(logits, y)
