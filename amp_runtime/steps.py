@@ -58,9 +58,10 @@ class StepDetector(Monitor):
         return own_thread and not guard.manual_steps and not guard.suspended
 
     def _scaler_stepping(self) -> bool:
-        """Whether GradScaler.step runs this optimizer step (only a scaler the watch knows can:
-        the frame walk is skipped in loops without one)."""
-        return bool(self._watch.states) and inside_scaler_step()
+        """Whether GradScaler.step runs this optimizer step: known without a frame walk for the
+        scalers the watch runs, and in loops without a scaler."""
+        watch = self._watch
+        return watch.stepping > 0 or bool(watch.states) and inside_scaler_step()
 
     def _end_step(self, by_optimizer: bool = False) -> None:
         self._stepped.clear()

@@ -298,6 +298,8 @@ class ScalerWatch(Monitor):
         self.check_listeners: List[CheckListener] = []
         #: Called as ``listener(scaler)`` after a scaler updated its scale.
         self.update_listeners: List[Callable[[GradScaler], None]] = []
+        #: How many enabled ``GradScaler.step`` calls are running (run_scaler_method's).
+        self.stepping = 0
         self._patched = False
 
     def attach(self, guard):
@@ -377,6 +379,12 @@ class ScalerWatch(Monitor):
         with self.guard.unobserved():
             if name == "update":
                 return self._update(original, scaler, *args, **kwargs)
+            if name == "step" and scaler.is_enabled():
+                self.stepping += 1
+                try:
+                    return original(scaler, *args, **kwargs)
+                finally:
+                    self.stepping -= 1
             out = original(scaler, *args, **kwargs)
             if name != "step":  # unscale_ or _check_inf_per_device
                 optimizer = args[0] if args else kwargs.get("optimizer")
