@@ -205,7 +205,11 @@ class ForwardMonitor(Monitor):
     def _check_loss(self, func, args, kwargs) -> None:
         roots = args[0] if args else kwargs.get("tensors", ())
         for loss in tensors_in(roots):
-            if loss.is_floating_point() and readable(loss):
+            if not (loss.is_floating_point() and readable(loss)):
+                continue
+            if loss.numel() == 1 and loss.device.type == "cpu":  # the usual loss: no reduction
+                self._judge_loss(loss.item(), {})
+            else:
                 self.readings.submit(peak(loss),
                                      lambda values, where: self._judge_loss(values[0], where))
 
