@@ -12,7 +12,6 @@ computation and checking them would only cost time.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import json
@@ -348,16 +347,10 @@ class Guard:
             self._mode_left_for_optimizer = False
             self._mode.resume()
 
-    @contextlib.contextmanager
-    def unobserved(self):
+    def unobserved(self) -> "_Unobserved":
         """Run the guard's own bookkeeping (tensor reads in hooks, step-end work) without
         its mode: otherwise every ``.grad`` or ``.dtype`` read would pass through it."""
-        left = self._mode is not None and self._mode.suspend()
-        try:
-            yield
-        finally:
-            if left:
-                self._mode.resume()
+        return _Unobserved(self)
 
     def _end_step(self) -> None:
         with self.unobserved():
@@ -407,6 +400,24 @@ class Guard:
             warnings.warn_explicit(str(event), AmpRuntimeWarning, filename, int(line))
         else:
             warnings.warn(str(event), AmpRuntimeWarning, stacklevel=3)
+
+
+class _Unobserved:
+    """``Guard.unobserved()``: a plain context manager, as it is entered several times a step."""
+
+    __slots__ = ("_guard", "_left")
+
+    def __init__(self, guard: Guard):
+        self._guard = guard
+        self._left = False
+
+    def __enter__(self) -> None:
+        mode = self._guard._mode
+        self._left = mode is not None and mode.suspend()
+
+    def __exit__(self, *exc_info) -> None:
+        if self._left:
+            self._guard._mode.resume()
 
 
 def _rank() -> Optional[int]:
