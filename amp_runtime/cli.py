@@ -250,16 +250,8 @@ def _print_user_traceback(err: BaseException) -> None:
     while tb is not None and _is_runner_frame(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     if isinstance(err, GuardError):
-        last = tb
-        while last is not None and last.tb_next is not None \
-                and not last.tb_next.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            last = last.tb_next
-        if last is not None:
-            last.tb_next = None
+        err.end_at_users_line()
     traceback.print_exception(type(err), err, tb, file=sys.stderr)  # tb None: a SyntaxError
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _is_runner_frame(filename: str) -> bool:

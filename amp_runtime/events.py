@@ -6,6 +6,7 @@ events without importing torch.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,6 +85,25 @@ class GuardError(RuntimeError):
     def __init__(self, event: Event):
         super().__init__(str(event))
         self.event = event
+
+    def end_at_users_line(self) -> None:
+        """Cut the traceback after the user's frames: the guard's own frames that raised it
+        only push the user's line (the one the event names) off the screen. Leading frames
+        of amp_runtime (``python -m amp_runtime run`` running the script) stay."""
+        tb = self.__traceback__
+        while tb is not None and _in_package(tb):
+            tb = tb.tb_next
+        while tb is not None and tb.tb_next is not None and not _in_package(tb.tb_next):
+            tb = tb.tb_next
+        if tb is not None:
+            tb.tb_next = None
+
+
+def _in_package(tb) -> bool:
+    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class Report:

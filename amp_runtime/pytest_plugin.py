@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
+from amp_runtime.events import GuardError, Report
+
 FIXTURE = "amp_guard"
 _GUARD_KEY = pytest.StashKey[object]()
 _ALLOW_KEY = pytest.StashKey[List[str]]()
@@ -119,6 +121,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     guard = item.stash.get(_GUARD_KEY, None)
     if report.when != "call" or guard is None:
         return
+    if report.failed and call.excinfo is not None and call.excinfo.errisinstance(GuardError):
+        _end_at_the_users_line(item, call.excinfo, report)
     events = guard.report
     if not len(events):
         return
@@ -127,11 +131,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if not (failing and report.passed):
         report.sections.append(("amp_guard events", events.summary()))
         return
-    from amp_runtime.events import Report
-
-    allowed = f" (allowed: {', '.join(allow)})" if allow else ""
+    codes = ", ".join(sorted({e.code for e in failing}))
+    allowed = f"; allowed: {', '.join(allow)}" if allow else ""
     report.outcome = "failed"
-    report.longrepr = (
-        f"amp_guard: {len(failing)} AMP event(s) not allowed{allowed}\n"
+    report.longrepr = (  # the first line is pytest's short summary: the codes come first
+        f"amp_guard: {codes} not allowed ({len(failing)} event(s){allowed})\n"
         f"{Report(failing).summary()}"
     )
+
+
+def _end_at_the_users_line(item: pytest.Item, excinfo: pytest.ExceptionInfo,
+                           report: pytest.TestReport) -> None:
+    """A GuardError (policy="raise") shows the test's line that raised it, not the
+    guard's own frames below it."""
+    excinfo.value.end_at_users_line()
+    excinfo.traceback = excinfo.traceback.__class__(excinfo.value.__traceback__)
+    report.longrepr = item.repr_failure(excinfo)

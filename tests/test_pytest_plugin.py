@@ -1,9 +1,21 @@
 """The amp_guard pytest plugin, exercised through real pytest sessions (pytester)."""
-import torch  # noqa: F401  (see below)
+import torch
 from test_no_torch import _blocked_env
 
-# torch is imported here, before any in-process pytester run: such a run unloads the
-# modules it imported, and importing torch a second time in one process crashes it.
+import amp_runtime
+
+
+def _load_what_guarded_steps_load():
+    """pytester's in-process runs unload every module they import, and torch's lazily
+    imported parts (torch._dynamo, loaded by optimizer.step) fail when imported twice in
+    one process: load them here, before any such run."""
+    model = torch.nn.Linear(2, 1)
+    with amp_runtime.guard(policy="record"):
+        model(torch.ones(1, 2)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+_load_what_guarded_steps_load()
 
 pytest_plugins = ["pytester"]
 
@@ -44,10 +56,20 @@ def test_an_overflowing_fp16_step_fails_with_the_event_table(pytester):
     result = _run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
-        "*amp_guard: * AMP event(s) not allowed*",
+        "amp_guard: AMP101 not allowed (1 event(s))",
         "code*sev*count*step*op*module*source*message*",
         "AMP101*P0*test_overflow.py:6*",
+        "FAILED test_overflow.py::test_overflow - amp_guard: AMP101 not allowed*",
     ])
+
+
+def test_policy_raise_shows_the_tests_line_not_the_guards_frames(pytester):
+    _overflow_suite(pytester, '@pytest.mark.amp_guard(trace="always", policy="raise")')
+    result = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([">*torch.full(*", "E*GuardError: AMP101*",
+                                 "test_overflow.py:6: GuardError"])
+    assert "amp_runtime/" not in result.stdout.str()
 
 
 def test_a_healthy_step_passes(pytester):
@@ -61,7 +83,8 @@ def test_allow_lets_a_listed_code_pass_but_a_prefix_never_allows_p0(pytester):
     _overflow_suite(pytester, '@pytest.mark.amp_guard(trace="always", allow=["AMP1"])')
     result = _run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*not allowed (allowed: AMP1)*", "AMP101*P0*"])
+    result.stdout.fnmatch_lines(["amp_guard: AMP101 not allowed (1 event(s); allowed: AMP1)",
+                                 "AMP101*P0*"])
 
 
 def test_ini_options_allow_and_trace(pytester):
