@@ -109,7 +109,8 @@ class DoctorResult:
             f"CPU: {caps.cpu_capability}, native bf16 {_yes(caps.cpu_bf16_native)}, "
             f"native fp16 {_yes(caps.cpu_fp16_native)}, "
             f"CPU autocast dtypes: {', '.join(caps.cpu_autocast_dtypes) or 'none'}")
-        lines.append(f"TF32: matmul {_on(caps.tf32_matmul)}, cuDNN {_on(caps.tf32_cudnn)}")
+        if caps.cuda_devices:  # TF32 is a CUDA feature: its switches mean nothing without one
+            lines.append(f"TF32: matmul {_on(caps.tf32_matmul)}, cuDNN {_on(caps.tf32_cudnn)}")
         if caps.mps:
             lines.append("Apple MPS: available")
         for rec in self.recommendations:
@@ -117,7 +118,8 @@ class DoctorResult:
             advice = "no autocast" if rec.dtype == "float32" else f"{rec.dtype} autocast, {scaler}"
             lines += ["", f"Recommended on {rec.device}: {advice}"]
             lines += [f"  - {reason}" for reason in rec.reasons]
-            lines += [f"    {line}" for line in rec.code]
+            if rec.code:
+                lines += ["  Code:", *(f"    {line}" for line in rec.code)]
         return "\n".join(lines)
 
 
@@ -229,6 +231,7 @@ def _recommend_cpu(caps: Capabilities) -> Recommendation:
             "This CPU has native bfloat16 dot products (AVX512-BF16 or AMX): bfloat16 "
             "matmuls are faster than float32.",
             no_scaler,
+            *([_cpu_fp16_reason(caps)] if "float16" in caps.cpu_autocast_dtypes else []),
         ])
     return Recommendation("cpu", "float32", None, [], [
         f"This CPU ({caps.cpu_capability}) has no native bfloat16 or float16 math: low precision "
@@ -237,6 +240,15 @@ def _recommend_cpu(caps: Capabilities) -> Recommendation:
         'use torch.autocast("cpu", dtype=torch.bfloat16) if memory is the limit. ' + no_scaler,
         "float16 on CPU needs torch.amp.GradScaler(\"cpu\") and gains nothing here.",
     ])
+
+
+def _cpu_fp16_reason(caps: Capabilities) -> str:
+    """Why not float16, which CPU autocast also accepts."""
+    if caps.cpu_fp16_native:
+        return ("float16 is native too (AMX-FP16), but it needs torch.amp.GradScaler(\"cpu\") "
+                "against overflow and underflow; bfloat16 does not.")
+    return ("float16 CPU autocast also runs, but this CPU has no native float16 math "
+            "(AMX-FP16): it is emulated, far slower than float32, and needs a GradScaler.")
 
 
 def diagnose() -> DoctorResult:

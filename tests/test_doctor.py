@@ -3,7 +3,9 @@ import json
 
 import torch
 
-from amp_runtime.doctor import Capabilities, CudaDevice, diagnose, probe, recommend
+from amp_runtime.doctor import (
+    Capabilities, CudaDevice, DoctorResult, diagnose, probe, recommend,
+)
 
 
 def _caps(devices=(), bf16_native=False, tf32=False):
@@ -66,3 +68,11 @@ def test_cpu_advice_depends_on_native_bf16():
     (emulated,) = recommend(_caps(bf16_native=False))
     assert emulated.dtype == "float32"
     assert any("memory" in r for r in emulated.reasons)
+
+
+def test_cpu_only_output_has_no_tf32_and_says_why_not_float16():
+    (native,) = recommend(_caps(bf16_native=True))
+    assert any("float16 CPU autocast also runs" in r and "emulated" in r for r in native.reasons)
+    shown = str(DoctorResult(_caps(bf16_native=True), [native]))
+    assert "TF32" not in shown  # a CUDA switch: meaningless on a CPU-only machine
+    assert '  Code:\n    with torch.autocast("cpu", dtype=torch.bfloat16):' in shown
