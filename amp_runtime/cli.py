@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import importlib
+import importlib.metadata
 import json
 import os
 import runpy
@@ -51,6 +52,13 @@ def _codes(text: str) -> List[str]:
     return codes
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("flake8-amp")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "(not installed)"
+
+
 def _shape(text: str) -> tuple:
     try:
         shape = tuple(int(part) for part in text.split(","))
@@ -63,7 +71,18 @@ def _shape(text: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Runtime guard for PyTorch mixed-precision training.")
+    parser = _Parser(
+        prog=PROG, description="Runtime guard for PyTorch mixed-precision training.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"""examples:
+  {PROG} run train.py --epochs 1      train under the guard; report in amp-report/
+  {PROG} report amp-report            rebuild amp-report/report.html from the logs
+  {PROG} doctor                       which precision this machine should use
+  {PROG} compare model.py:example     which modules to keep in float32
+
+'{PROG} COMMAND --help' shows a command's options.""",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 

@@ -249,6 +249,13 @@ def test_a_failing_factory_shows_its_own_traceback(tmp_path, monkeypatch, capsys
     assert err.endswith("ValueError: no data here\n") and "cli.py" not in err
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("python -m amp_runtime 0.")
+
+
 def test_help_of_run_and_compare_shows_examples(capsys):
     for command, example in (("run", "run train.py --epochs 1"),
                              ("compare", "compare mypkg.models:MyNet --input-shape 8,3,32,32")):
