@@ -39,6 +39,8 @@ MAX_UNDERFLOW_LINES = 8
 #: Codes that mean "a value overflowed" for the diagnosis.
 _OVERFLOW_CODES = ("AMP101", "AMP102", "AMP103", "AMP112", "AMP007")
 _NONFINITE_LOSS = "AMP112"
+#: Codes that name the op (forward or backward) that produced a non-finite value.
+_OP_CODES = ("AMP101", "AMP102")
 
 
 class ReportError(Exception):
@@ -244,8 +246,11 @@ def _first_overflow(run: RunLog) -> str:
     if not overflows:
         return ""
     first = overflows[0]
-    localized = next((e for e in overflows if e.module or e.code in ("AMP101", "AMP102")), None)
-    if localized is None or localized is first:
+    localized = next((e for e in overflows if e.code in _OP_CODES), None)
+    if localized is None:
+        return (f"first overflow {_place(first)}; no op was pinned down: rerun with per-op "
+                "tracing (run --trace always, or guard(trace=\"always\")) to find it")
+    if localized is first:
         return f"first overflow {_place(first)}"
     return f"first non-finite value {_place(first)}; first localized overflow {_place(localized)}"
 
@@ -363,6 +368,8 @@ def _draw_loss(run, axes, figure) -> str:
     if all(math.isnan(v) for v in losses) and not bad:
         return "no loss values were recorded"
     axes.plot(steps, losses, color="tab:blue", lw=1.2, marker=".", ms=3)  # dots: lone values
+    if all(math.isnan(v) for v in losses):
+        axes.set_yticks([])  # no finite loss: a value axis would be made up
     if bad:  # along the bottom edge, whatever the loss values are
         axes.scatter(bad, [0.04] * len(bad), transform=axes.get_xaxis_transform(), marker="x",
                      color="red", label=f"NaN/Inf loss ({len(bad)})", zorder=3, clip_on=False)
@@ -405,6 +412,8 @@ def _draw_layer_heatmap(run, axes, figure) -> str:
         return "no per-layer gradient statistics were recorded"
     values = [[math.log10(v) if v and v > 0 and math.isfinite(v) else math.nan for v in row]
               for row in matrix]
+    if all(math.isnan(v) for row in values for v in row):
+        return "no per-layer gradient norm was finite and nonzero"
     rows_shown = min(len(names), MAX_HEATMAP_LABELS)
     figure.set_size_inches(_FIGURE_WIDTH, max(2.5, 1.2 + 0.22 * rows_shown))
     # each column spans from halfway to the previous step with statistics to halfway to

@@ -243,3 +243,18 @@ def test_underflow_plot_says_so_when_no_gradient_underflowed(tmp_path):
     page = _Page(text)
     assert "plot-underflow" in page.ids and "plot-underflow" not in page.images
     assert "no gradient underflowed" in text
+
+
+def test_diagnosis_says_how_to_find_an_op_it_could_not_pin_down(tmp_path):
+    weight = json.dumps({"code": "AMP103", "name": "x", "severity": "P0", "message": "m",
+                         "op": "optimizer.step", "module": "weight", "step": 0})
+    (tmp_path / "events.jsonl").write_text(_event_line("AMP112", 0) + "\n" + weight + "\n",
+                                           encoding="utf-8")
+    (headline, *_) = diagnose(load_run(tmp_path))
+    assert "no op was pinned down: rerun with per-op tracing (run --trace always" in headline
+    mul = json.dumps({"code": "AMP101", "name": "x", "severity": "P0", "message": "m",
+                      "op": "mul", "source": "train.py:10", "step": 8})
+    with open(tmp_path / "events.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(mul + "\n")
+    (headline, *_) = diagnose(load_run(tmp_path))
+    assert headline.endswith("first localized overflow (mul, train.py:10) at step 8 [AMP101].")
