@@ -212,6 +212,7 @@ def _run(options) -> int:
         )
     except (ValueError, TypeError) as err:
         raise CliError(f"run: {err}") from None
+    (out / REPORT_FILE).unlink(missing_ok=True)  # the logs are rewritten: it would be stale
     status = _run_script(guard, script, script_args)
     # a terminal's width; logs (CI) get whole messages
     width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None

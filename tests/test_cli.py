@@ -66,10 +66,12 @@ def test_run_reports_events_and_builds_the_report(tmp_path):
 
 def test_run_options_select_policy_and_no_report(tmp_path):
     script(tmp_path / "overflow.py", OVERFLOW)
+    (tmp_path / "amp-report").mkdir()
+    (tmp_path / "amp-report" / "report.html").write_text("an earlier run's page")
     ignored = amp_runtime("run", "--trace", "always", "--ignore", "AMP101,AMP102", "--no-report",
                           "overflow.py", cwd=tmp_path)
     assert ignored.returncode == 0 and "amp_runtime: no events" in ignored.stderr
-    assert not (tmp_path / "amp-report" / "report.html").exists()
+    assert not (tmp_path / "amp-report" / "report.html").exists()  # it would describe old logs
     assert (tmp_path / "amp-report" / "events.jsonl").exists()
 
     raised = amp_runtime("run", "--trace", "always", "--policy", "raise", "overflow.py",
