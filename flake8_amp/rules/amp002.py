@@ -21,6 +21,8 @@ LOSS_FUNCTIONS = frozenset(
         "nll_loss",
     }
 )
+#: Methods returning models whose forward casts outputs to fp32 (accelerate, Lightning Fabric).
+FP32_OUTPUT_WRAPPERS = frozenset({"prepare", "prepare_model", "setup", "setup_module"})
 #: How many reshaping re-assignments (``out = out.view(...)``) are followed back.
 _MAX_HOPS = 4
 #: Tensor methods that move or convert data; their results are not forward outputs.
@@ -115,7 +117,7 @@ class LossOutsideAutocast(Check):
         if is_low(self.context.dtypes.of(value)):
             return True
         core = _strip(value)
-        if not isinstance(core, nodes.Call):
+        if not isinstance(core, nodes.Call) or self._returns_fp32(core.func):
             return False
         callee = self.context.names.callee(core)
         if callee is None:
@@ -123,6 +125,22 @@ class LossOutsideAutocast(Check):
         # Library objects wrapping a model (``DDP(net)``, ``torch.compile(net)``) run its
         # forward; library functions and loss modules do not.
         return callee.instance and not callee.name.endswith("Loss")
+
+    def _returns_fp32(self, model: nodes.NodeNG) -> bool:
+        """``model`` comes from ``accelerator.prepare(...)`` or ``fabric.setup(...)``,
+        which wrap its forward so that it returns fp32 outputs (accelerate's
+        ``convert_outputs_to_fp32``, Fabric's ``convert_output``)."""
+        if not isinstance(model, nodes.Name):
+            return False
+        for binding in self.context.names.reaching_bindings(model):
+            value = _bound_value(binding)
+            if (
+                isinstance(value, nodes.Call)
+                and isinstance(value.func, nodes.Attribute)
+                and value.func.attrname in FP32_OUTPUT_WRAPPERS
+            ):
+                return True
+        return False
 
 
 def _strip(expr: nodes.NodeNG) -> nodes.NodeNG:

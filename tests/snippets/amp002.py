@@ -178,6 +178,14 @@ def loss_on_decorated_forward(model, x, y):
     return F.cross_entropy(logits, y)  # AMP002
 
 
+
+def project_prepare_function(net, x, y, prepare_model):
+    model = prepare_model(net)
+    with torch.autocast("cuda"):
+        out = model(x)
+    return F.cross_entropy(out, y)  # AMP002
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -347,3 +355,17 @@ def forward_upcast_under_autocast(model, x):
 def loss_on_decorated_upcast_forward(model, x, y):
     logits = forward_upcast_under_autocast(model, x)
     return F.cross_entropy(logits, y)
+
+
+def accelerate_prepared_model_returns_fp32(accelerator, model, optimizer, batch):
+    model, optimizer = accelerator.prepare(model, optimizer)
+    with accelerator.autocast():
+        logits = model(batch["x"])
+    return F.cross_entropy(logits, batch["y"])
+
+
+def fabric_module_returns_fp32(fabric, model, x, y):
+    model = fabric.setup(model)
+    with fabric.autocast():
+        out = model(x)
+    return F.mse_loss(out, y)
