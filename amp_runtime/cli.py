@@ -16,6 +16,7 @@ import argparse
 import builtins
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import runpy
@@ -88,16 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="run a training script under a guard and write a report",
-        usage=f"{PROG} run [options] SCRIPT [ARGS...]",
+        usage=f"{PROG} run [options] [-m] SCRIPT|MODULE [ARGS...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run SCRIPT as __main__ inside amp_runtime.guard(), as `python SCRIPT ARGS`\n"
-                    "would (same sys.argv, sys.path[0] and exit status); write events.jsonl,\n"
+                    "would (same sys.argv, sys.path[0] and exit status; with -m, as\n"
+                    "`python -m MODULE ARGS` would); write events.jsonl,\n"
                     "metrics.jsonl and report.html to --out; print the events table at the end.\n"
                     "Options go before SCRIPT: everything after it goes to the script unchanged,\n"
                     "even options spelled like run's own (--out, --policy).",
         epilog=f"""examples:
   {PROG} run train.py --epochs 1
   {PROG} run --trace always --out reports/run1 train.py --lr 3e-4
+  {PROG} run -m mypkg.train --epochs 1
   {PROG} run --policy raise --select AMP1 train.py   (stop at the first numeric problem)
   {PROG} report reports/run1   (rebuild the page from the logs)""",
     )
@@ -113,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                      help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/)")
     run.add_argument("--no-report", action="store_true", help="write the logs but not report.html")
+    run.add_argument("-m", dest="as_module", action="store_true",
+                     help="SCRIPT is a module name: run it as `python -m MODULE ARGS` would")
     # One REMAINDER positional: argparse would drop a "--" that follows a separate SCRIPT
     # positional, and the script must see its arguments exactly as typed.
     run.add_argument("script_argv", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
@@ -196,10 +201,13 @@ def _run(options) -> int:
     argv = options.script_argv
     command = argv[1:] if argv[:1] == ["--"] else argv
     if not command:
-        raise CliError(f"{PROG} run: the following arguments are required: SCRIPT (see --help)")
-    script, script_args = Path(command[0]), command[1:]
-    if not script.is_file():
-        raise CliError(f"run: {command[0]}: no such file")
+        what = "MODULE" if options.as_module else "SCRIPT"
+        raise CliError(f"{PROG} run: the following arguments are required: {what} (see --help)")
+    target, target_args = command[0], command[1:]
+    if options.as_module and not _module_exists(target):
+        raise CliError(f"run: -m {target}: no such module")
+    if not options.as_module and not Path(target).is_file():
+        raise CliError(f"run: {target}: no such file")
     import amp_runtime
 
     out = Path(options.out)
@@ -213,7 +221,7 @@ def _run(options) -> int:
     except (ValueError, TypeError) as err:
         raise CliError(f"run: {err}") from None
     (out / REPORT_FILE).unlink(missing_ok=True)  # the logs are rewritten: it would be stale
-    status = _run_script(guard, script, script_args)
+    status = _run_main(guard, target, target_args, as_module=options.as_module)
     # a terminal's width; logs (CI) get whole messages
     width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None
     print(guard.report.summary(width=width), file=sys.stderr)
@@ -228,21 +236,37 @@ def _run(options) -> int:
     return status
 
 
-def _run_script(guard, script: Path, args: List[str]) -> int:
-    """Run ``script`` as ``__main__`` inside ``guard``; the exit status it would have had."""
-    path = str(script.resolve())
-    main = types.ModuleType("__main__")
-    main.__file__ = path
-    main.__builtins__ = builtins
-    saved = sys.argv[:], sys.path[0], sys.modules["__main__"]
-    sys.argv[:] = [str(script), *args]
-    sys.path[0] = str(script.resolve().parent)
-    sys.modules["__main__"] = main  # classes defined by the script pickle as __main__.X
+def _module_exists(name: str) -> bool:
+    sys.path.insert(0, os.getcwd())  # where `python -m` looks first
     try:
-        with tokenize.open(path) as fh:
-            code = compile(fh.read(), path, "exec")
-        with guard:
-            exec(code, main.__dict__)
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+    finally:
+        sys.path.pop(0)
+
+
+def _run_main(guard, target: str, args: List[str], as_module: bool) -> int:
+    """Run the script file or module ``target`` as ``__main__`` inside ``guard``, as
+    ``python target args`` or ``python -m target args`` would; the exit status it would have."""
+    saved = sys.argv[:], sys.path[0], sys.modules["__main__"]
+    sys.argv[:] = [target, *args]
+    try:
+        if as_module:
+            sys.path[0] = os.getcwd()
+            with guard:  # alter_sys: sys.argv[0] and __main__ become the module's, as with -m
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            path = str(Path(target).resolve())
+            main = types.ModuleType("__main__")
+            main.__file__ = path
+            main.__builtins__ = builtins
+            sys.path[0] = os.path.dirname(path)
+            sys.modules["__main__"] = main  # classes defined by the script pickle as __main__.X
+            with tokenize.open(path) as fh:
+                code = compile(fh.read(), path, "exec")
+            with guard:
+                exec(code, main.__dict__)
         return 0
     except SystemExit as exit_:
         return _exit_status(exit_.code)

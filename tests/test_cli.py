@@ -142,6 +142,7 @@ BAD_INPUT = [
     (("run",), "the following arguments are required: SCRIPT"),
     (("run", "--"), "the following arguments are required: SCRIPT"),
     (("run", "missing.py"), "run: missing.py: no such file"),
+    (("run", "-m", "no_such_pkg.train"), "run: -m no_such_pkg.train: no such module"),
     (("run", "--trace", "sometimes", "x.py"), "invalid choice: 'sometimes'"),
     (("run", "--select", ",", "x.py"), "expected AMP codes"),
     (("run", "--out", "x.py", "x.py"), "--out x.py: exists and is not a folder"),
@@ -184,7 +185,7 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, 
 
 
 def test_bad_input_through_the_real_command_line(tmp_path):
-    for args, message in (BAD_INPUT[0], BAD_INPUT[4], BAD_INPUT[8]):  # none, run, report
+    for args, message in (BAD_INPUT[0], BAD_INPUT[4], BAD_INPUT[9]):  # none, run, report
         result = amp_runtime(*args, cwd=tmp_path)
         assert result.returncode == 2
         assert result.stderr.count("\n") == 1 and message in result.stderr
@@ -264,3 +265,19 @@ def test_help_of_run_and_compare_shows_examples(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert f"python -m amp_runtime {example}" in capsys.readouterr().out
+
+
+def test_run_m_runs_a_module_as_python_m_does(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "pkg" / "helper.py").write_text("VALUE = 7\n", encoding="utf-8")
+    script(tmp_path / "pkg" / "train.py", """\
+        import json, sys
+        from .helper import VALUE  # relative imports work only when run as a module
+
+        print(json.dumps({"argv": sys.argv[1:], "name": __name__, "value": VALUE}))
+        sys.exit(4)
+    """)
+    result = amp_runtime("run", "--no-report", "-m", "pkg.train", "--out", "x", cwd=tmp_path)
+    assert result.returncode == 4, result.stderr
+    assert json.loads(result.stdout) == {"argv": ["--out", "x"], "name": "__main__", "value": 7}
