@@ -144,3 +144,37 @@ def test_matching_scaler_and_dtype_is_not_amp010(dtype, scaled):
         opt.zero_grad()
 
     assert not run(loop).report.by_code("AMP010")
+
+
+def test_one_scaler_stepping_two_optimizers_in_turn_is_not_amp006():
+    """A GAN's discriminator step, then the generator's backward and step, then one update():
+    the generator's backward meets a STEPPED optimizer whose gradients were not reset."""
+    generator, g_opt = setup(0)
+    discriminator, d_opt = setup(1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        d_opt.zero_grad()
+        scaler.scale(forward_loss(discriminator)).backward()
+        scaler.step(d_opt)
+        g_opt.zero_grad()
+        scaler.scale(forward_loss(generator)).backward()
+        scaler.step(g_opt)
+        scaler.update()
+
+    g = run(loop)
+    assert g.report.by_code("AMP006") == []
+    assert g.step_index == 3
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_new_iteration_after_scaler_step_without_update_is_amp006(set_to_none):
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_runtime.guard(policy="record") as g:
+        scaler.scale(forward_loss(model)).backward()
+        scaler.step(opt)  # noqa: AMP006
+        opt.zero_grad(set_to_none=set_to_none)
+        scaler.scale(forward_loss(model)).backward()
+    (event,) = g.report.by_code("AMP006")
+    assert "not followed by scaler.update()" in event.message

@@ -6,12 +6,16 @@ The static half is ``flake8_amp/rules/amp006.py``. Both cases are read from the 
 * a global optimizer step pre-hook sees an optimizer step, not called by ``GradScaler.step``, while
   a backward from a scaled loss is pending and the scaler's stage for that optimizer is READY (its
   gradients are still multiplied by the scale, and an inf/NaN step would not be skipped);
-* a backward from a scaled loss starts while that scaler still holds a STEPPED optimizer: the
-  previous ``scaler.step`` was not followed by ``scaler.update()``, so the scale never adapts.
+* a backward from a scaled loss starts while that scaler still holds a STEPPED optimizer whose
+  gradients were reset since (``zero_grad``): a new iteration began, so the previous ``scaler.step``
+  was not followed by ``scaler.update()`` and the scale never adapts. A backward between the steps
+  of one iteration (a GAN's generator after ``scaler.step(d_optimizer)``, before the one
+  ``update()``) leaves the stepped optimizer's gradients as they were and is fine.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -29,6 +33,8 @@ class StepBypassesScaler(Monitor):
         super().__init__()
         self._reported = set()
         self._watch = None
+        #: Optimizer -> (param, weakref to its grad, the grad's version) when the scaler stepped it.
+        self._stepped_grads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     @property
     def watch(self):
@@ -55,7 +61,11 @@ class StepBypassesScaler(Monitor):
         guard = self.guard
         if guard.suspended or threading.get_ident() != guard._thread:
             return
-        for state in self.watch.scaled_pending():
+        pending = self.watch.scaled_pending()
+        if pending and inside_scaler_step():
+            self._remember_grads(optimizer)
+            return
+        for state in pending:
             if state.stage(optimizer) is not OptState.READY:
                 continue
             known = not state.optimizers or optimizer in state.optimizers
@@ -66,10 +76,36 @@ class StepBypassesScaler(Monitor):
                         "and did not unscale; steps with inf/NaN gradients are not skipped"))
                 return
 
+    def on_step_end(self, step, record):
+        # marks are per step: a step the scaler skipped never ran optimizer.step to renew one
+        self._stepped_grads.clear()
+
+    def _remember_grads(self, optimizer):
+        """Mark the gradients the scaler steps on, to tell later whether they were reset."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._stepped_grads[optimizer] = (
+                        weakref.ref(param), weakref.ref(param.grad), param.grad._version)
+                    return
+
+    def _grads_reset(self, optimizer) -> bool:
+        """Whether ``optimizer``'s gradients were set to None or zeroed since its scaler step."""
+        mark = self._stepped_grads.get(optimizer)
+        if mark is None:
+            return False
+        param_ref, grad_ref, version = mark
+        param, grad = param_ref(), grad_ref()
+        if param is None:
+            return False
+        return grad is None or param.grad is not grad or grad._version != version
+
     def _backward_starts(self, func, args, kwargs):
         root = backward_root(func, args, kwargs)
         state = None if root is None else self.watch.scaler_of_loss(root)
-        stepped = state is not None and OptState.STEPPED in state.stages()
+        stepped = state is not None and any(
+            state.stage(optimizer) is OptState.STEPPED and self._grads_reset(optimizer)
+            for optimizer in state.optimizers)
         if stepped and self._once_per_step("update"):
             self.guard.emit("AMP006", op="GradScaler.step", detail=(
                 "scaler.step() was not followed by scaler.update() before this backward; "
