@@ -281,3 +281,32 @@ def test_run_m_runs_a_module_as_python_m_does(tmp_path):
     result = amp_runtime("run", "--no-report", "-m", "pkg.train", "--out", "x", cwd=tmp_path)
     assert result.returncode == 4, result.stderr
     assert json.loads(result.stdout) == {"argv": ["--out", "x"], "name": "__main__", "value": 7}
+
+
+def test_run_works_with_forked_dataloader_workers(tmp_path):
+    script(tmp_path / "loader.py", """\
+        import multiprocessing
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+        class Squares(Dataset):  # defined in __main__, as in most training scripts
+            def __len__(self):
+                return 16
+
+            def __getitem__(self, i):
+                return torch.full((4,), float(i))
+
+        if __name__ == "__main__":
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            loader = DataLoader(Squares(), batch_size=4, num_workers=2,
+                                multiprocessing_context=multiprocessing.get_context("fork"))
+            for x in loader:
+                model(x).pow(2).mean().backward()
+                opt.step()
+            print("batches done")
+    """)
+    result = amp_runtime("run", "loader.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "batches done" and "Traceback" not in result.stderr
+    assert len((tmp_path / "amp-report" / "metrics.jsonl").read_text().splitlines()) == 4
