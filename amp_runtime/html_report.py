@@ -307,6 +307,7 @@ def _plots(run: RunLog) -> Optional[List[Plot]]:
     """Every plot of the page, or None when matplotlib is not installed."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return None
     span = _step_span(run)
@@ -322,6 +323,7 @@ def _plots(run: RunLog) -> Optional[List[Plot]]:
             continue
         axes.set_title(title, fontsize=11, loc="left")
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
         if span:
             axes.set_xlim(*span)
         height = figure.get_figheight()
