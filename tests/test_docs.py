@@ -181,11 +181,6 @@ def test_use_instead_is_clean(code, example_findings):
 
 
 RUNTIME_ONLY = sorted(c for c, r in RULES.items() if r.enforcers == {RUNTIME})
-#: Known gaps of the runtime enforcer, where a page's example shows a real case it misses.
-RUNTIME_GAPS = {
-    "AMP106": "gradients that underflow in a real fp16 backward are already exactly zero when "
-              "the guard reads them, and zeros are not counted",
-}
 
 
 def guarded_events(source, name):
@@ -198,11 +193,7 @@ def guarded_events(source, name):
     return {event.code for event in outer.report.events}
 
 
-@pytest.mark.parametrize("code", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=RUNTIME_GAPS[c]))
-    if c in RUNTIME_GAPS else c
-    for c in RUNTIME_ONLY
-])
+@pytest.mark.parametrize("code", RUNTIME_ONLY)
 def test_runtime_example_triggers_its_code_and_the_fix_is_quiet(code):
     page_sections = sections(page(code))
     (example,) = python_blocks(page_sections["Example"])
