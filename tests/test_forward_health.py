@@ -253,3 +253,17 @@ def test_module_paths_without_a_model_follow_the_running_modules():
             model(x)  # the first call of ``shared`` overflows: 4 * 300 * 300 > 65504
     (event,) = g.report
     assert event.module == "0.0" and event.op == "linear"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf, None])
+def test_peak_is_max_abs_and_propagates_nan_and_inf(dtype, special):
+    from amp_runtime.monitors import peak
+
+    values = torch.linspace(-7.0, 3.0, 5000).to(dtype)
+    if special is not None:
+        values[1234] = special
+    expected = 7.0 if special is None else abs(special)
+    got = peak(values).item()
+    assert got == expected or (math.isnan(expected) and math.isnan(got))
+    assert peak(torch.tensor(-2.5, dtype=dtype)).item() == 2.5
