@@ -218,7 +218,8 @@ class GradContext:
         return any(key in frozen for key in objects if key)
 
     def _frozen_in(self, scope: nodes.NodeNG) -> FrozenSet[str]:
-        """Objects (as source text) that ``scope`` freezes and never puts in train mode."""
+        """Objects (as source text) that ``scope`` freezes and never trains: no
+        ``m.train()``, no ``train_one_epoch(m, ...)``, no ``AdamW(m.parameters())``."""
         if scope not in self._frozen_objects:
             frozen, trained = set(), set()
             for node in scope_nodes(scope):
@@ -228,6 +229,8 @@ class GradContext:
                     frozen.update(_object_key(_parameters_owner(arg)) for arg in node.args)
                 elif _chain_call(node) and node.func.attrname == "train":
                     trained.add(node.func.expr.as_string())
+                elif isinstance(node, nodes.Call):
+                    trained.update(_trained_arguments(node))
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
                     frozen.add(node.iter.func.expr.as_string())
             self._frozen_objects[scope] = frozenset(frozen - trained)
@@ -252,13 +255,13 @@ class GradContext:
         return False
 
     def _is_eval_scope(self, scope: nodes.NodeNG) -> bool:
+        """``scope`` calls ``.eval()`` and trains nothing itself (no ``.step()``, nothing
+        from :meth:`_calls_training`, such as ``train_one_epoch(model)``)."""
         if scope not in self._eval_scopes:
             called = self.called_names(scope)
-            self._eval_scopes[scope] = "eval" in called and not called & {
-                "train",
-                "backward",
-                "step",
-            }
+            self._eval_scopes[scope] = (
+                "eval" in called and "step" not in called and not self._calls_training(scope)
+            )
         return self._eval_scopes[scope]
 
 
@@ -318,6 +321,16 @@ def _freezing_helper(call: nodes.Call) -> bool:
         return True
     flags = list(call.args[1:]) + [kw.value for kw in call.keywords or ()]
     return {"requires", "grad"} <= set(words) and any(_is_false(flag) for flag in flags)
+
+
+def _trained_arguments(call: nodes.Call) -> Iterator[str]:
+    """Objects ``call`` trains: ``m`` in ``optimizer_cls(m.parameters())`` or in a call
+    named for training (``train_one_epoch(m, loader)``)."""
+    training = any(word in TRAINING_WORDS for word in name_words(simple_name(call.func)))
+    for arg in call.args:
+        owner = _parameters_owner(arg)
+        if owner is not arg or training:
+            yield _object_key(owner)
 
 
 def _parameters_owner(arg: nodes.NodeNG) -> nodes.NodeNG:

@@ -144,6 +144,22 @@ def train_with_frozen_batchnorm_only(model, loader, optimizer, freeze_bn):
         optimizer.step()
 
 
+
+def main_trains_then_evaluates(model, loader):
+    model = model.half()  # AMP001
+    train_one_epoch(model, loader)
+    model.eval()
+
+
+def optimizer_over_model_evaluated_later(model, loader):
+    model.half()  # AMP001
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+    model.eval()
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
