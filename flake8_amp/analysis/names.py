@@ -344,6 +344,20 @@ def _defined_in_module(name: nodes.Name) -> bool:
         scope = scope.parent.scope()
 
 
+#: Statement lists whose earlier statements have run when a later one runs.
+_BLOCKS = ("body", "orelse", "finalbody")
+#: Where the search for an overwriting assignment stops: scopes, loops (an assignment
+#: later in the body reaches the next iteration), handlers (the ``try`` may have failed).
+_SEARCH_ENDS = (
+    nodes.For,
+    nodes.While,
+    nodes.FunctionDef,
+    nodes.ClassDef,
+    nodes.Module,
+    nodes.ExceptHandler,
+)
+
+
 def _position(node: nodes.NodeNG) -> Tuple[int, int]:
     return (node.lineno or 0, node.col_offset or 0)
 
@@ -369,16 +383,10 @@ def _last_unconditional_binding(
             found = _binding_run_by(statement, by_statement)
             if found is not None:
                 return found
-        if isinstance(parent, (nodes.For, nodes.While, nodes.FunctionDef, nodes.Module)):
-            return None
-        if isinstance(parent, (nodes.ClassDef, nodes.Lambda, nodes.ExceptHandler)):
+        if isinstance(parent, _SEARCH_ENDS):
             return None
         child = parent
     return None
-
-
-#: Statement lists whose earlier statements have run when a later one runs.
-_BLOCKS = ("body", "orelse", "finalbody")
 
 
 def _binding_run_by(statement: nodes.NodeNG, by_statement: Dict) -> Optional[nodes.NodeNG]:
