@@ -139,14 +139,15 @@ class ForwardMonitor(Monitor):
     # -- AMP101 / AMP102: every output while tracing ------------------------------------
 
     def _check_output(self, func, args, kwargs, out) -> None:
-        for tensor in tensors_in(out):
+        # runs after every op while tracing: a single tensor output skips the generator
+        for tensor in (out,) if type(out) is torch.Tensor else tensors_in(out):
             dtype = tensor.dtype
             if dtype not in LOW_PRECISION and dtype != torch.float32 or not readable(tensor):
                 continue
             if dtype == torch.float32 and not autocast_on(tensor.device.type):
                 continue
             out_max = peak(tensor)
-            if out_max.device.type != "cpu":
+            if not out_max.is_cpu:
                 # Keep only the dtype: holding the output until the step ends would keep
                 # every activation alive.
                 self.readings.submit(out_max, lambda values, where, dtype=dtype:
