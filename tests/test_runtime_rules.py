@@ -84,6 +84,22 @@ def test_amp002_quiet_inside_autocast_or_after_upcast():
     assert events(body, "AMP002") == []
 
 
+def test_half_model_trained_without_autocast_is_amp001_not_amp002():
+    """Its fp16 outputs come from a cast model, not from an autocast region."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    with amp_runtime.guard(policy="record", select=["AMP001", "AMP002"]) as g:
+        model.half()
+        for _ in range(2):
+            loss = F.cross_entropy(model(torch.randn(8, 4).half()), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [e.code for e in g.report] == ["AMP001"]
+
+
 # -- AMP003 bce-under-autocast -----------------------------------------------------------
 
 def test_amp003_bce_under_autocast_even_where_it_runs():

@@ -8,6 +8,7 @@ torch function, so an op no check cares about costs one dict look-up.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable, Dict, FrozenSet, Iterator, NamedTuple, Optional, Tuple
 
 import torch
@@ -90,6 +91,19 @@ def peak(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_cpu:
         return tensor.abs().amax()
     return torch.linalg.vector_norm(tensor, float("inf"))
+
+
+def autograd_nodes(root: torch.Tensor, limit: int) -> Iterator[Any]:
+    """The autograd nodes behind ``root``, breadth first, at most ``limit`` of them (a bounded
+    walk: the checks that use it look for something near the root)."""
+    queue, seen = deque([root.grad_fn]), set()
+    while queue and len(seen) < limit:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        queue.extend(next_node for next_node, _ in node.next_functions)
 
 
 def autocast_on(device_type: str) -> bool:

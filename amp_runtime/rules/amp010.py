@@ -10,12 +10,11 @@ once per guard.
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Optional
 
 import torch
 
-from amp_runtime.monitors import Monitor, OpHandler
+from amp_runtime.monitors import Monitor, OpHandler, autograd_nodes
 from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, backward_root, watch_of
 
 #: Autograd nodes visited per backward at most.
@@ -28,21 +27,13 @@ _LOW = (torch.float16, torch.bfloat16)
 
 def low_precision_dtype(root: torch.Tensor, limit: int = GRAPH_NODES) -> Optional[torch.dtype]:
     """float16 or bfloat16 if the graph behind ``root`` computes in it (fp16 wins), else None."""
-    if root.grad_fn is None:
-        return None
     found = None
-    queue, seen = deque([root.grad_fn]), set()
-    while queue and len(seen) < limit:
-        node = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in autograd_nodes(root, limit):
         for meta in getattr(node, "_input_metadata", ()):
             if meta.dtype == torch.float16:
                 return torch.float16
             if meta.dtype == torch.bfloat16:
                 found = torch.bfloat16
-        queue.extend(next_node for next_node, _ in node.next_functions)
     return found
 
 
