@@ -2,7 +2,8 @@
 
 * A loop with a GradScaler: at ``scaler.update()`` (reported by the scaler watch,
   ``monitors/scaler.py``). Skipped steps count: the update runs whether or not the optimizer
-  stepped.
+  stepped. An optimizer stepped directly (not by ``scaler.step``, AMP006) ends the step itself, and
+  an update right after it (no backward in between) belongs to that step.
 * Otherwise at ``optimizer.step()`` (global optimizer step post-hook). With several optimizers the
   step ends after the last one of the cycle, learned in the first iteration: an optimizer stepping
   for the first time right after another one (no backward in between) joins that step; one stepping
@@ -73,7 +74,7 @@ class StepDetector(Monitor):
         self._backward_since_step = True
 
     def _scaler_updated(self, scaler):
-        if self._automatic():
+        if self._automatic() and (self._backward_since_step or not self._ended_by_optimizer):
             self._end_step()
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):

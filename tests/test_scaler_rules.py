@@ -178,3 +178,20 @@ def test_a_new_iteration_after_scaler_step_without_update_is_amp006(set_to_none)
         scaler.scale(forward_loss(model)).backward()
     (event,) = g.report.by_code("AMP006")
     assert "not followed by scaler.update()" in event.message
+
+
+def test_optimizer_step_after_unscale_bypasses_the_inf_check_is_amp006():
+    model, opt = setup()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        scaler.scale(forward_loss(model)).backward()
+        scaler.unscale_(opt)
+        opt.step()  # noqa: AMP006 - an inf/NaN step would not be skipped
+        scaler.update()
+        opt.zero_grad()
+
+    g = run(loop)
+    events = g.report.by_code("AMP006")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert "called directly after scaler.unscale_()" in events[0].message

@@ -4,8 +4,8 @@ without an update.
 The static half is ``flake8_amp/rules/amp006.py``. Both cases are read from the scaler's own state:
 
 * a global optimizer step pre-hook sees an optimizer step, not called by ``GradScaler.step``, while
-  a backward from a scaled loss is pending and the scaler's stage for that optimizer is READY (its
-  gradients are still multiplied by the scale, and an inf/NaN step would not be skipped);
+  a backward from a scaled loss is pending: an inf/NaN step is not skipped, and where the scaler's
+  stage for that optimizer is READY (not UNSCALED) its gradients are still multiplied by the scale;
 * a backward from a scaled loss starts while that scaler still holds a STEPPED optimizer whose
   gradients were reset since (``zero_grad``): a new iteration began, so the previous ``scaler.step``
   was not followed by ``scaler.update()`` and the scale never adapts. A backward between the steps
@@ -65,16 +65,21 @@ class StepBypassesScaler(Monitor):
         if pending and inside_scaler_step():
             self._remember_grads(optimizer)
             return
+        name = type(optimizer).__name__
         for state in pending:
-            if state.stage(optimizer) is not OptState.READY:
-                continue
+            stage = state.stage(optimizer)
             known = not state.optimizers or optimizer in state.optimizers
-            if known and not inside_scaler_step():
-                if self._once_per_step("step"):
-                    guard.emit("AMP006", op=f"{type(optimizer).__name__}.step", detail=(
-                        f"{type(optimizer).__name__}.step() runs on gradients GradScaler scaled "
-                        "and did not unscale; steps with inf/NaN gradients are not skipped"))
-                return
+            if stage is OptState.READY and known:
+                detail = (f"{name}.step() runs on gradients GradScaler scaled and did not unscale; "
+                          "steps with inf/NaN gradients are not skipped")
+            elif stage is OptState.UNSCALED:
+                detail = (f"{name}.step() is called directly after scaler.unscale_(); only "
+                          "scaler.step() skips steps with inf/NaN gradients")
+            else:
+                continue
+            if self._once_per_step("step"):
+                guard.emit("AMP006", op=f"{name}.step", detail=detail)
+            return
 
     def on_step_end(self, step, record):
         # marks are per step: a step the scaler skipped never ran optimizer.step to renew one
