@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import torch
 
+from .monitors.scaler import live_instances
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIPPED_DIRS = (_TORCH_DIR, _PACKAGE_DIR)
@@ -58,7 +60,8 @@ class ModuleTracker:
 
     Names come from ``model.named_modules()`` when a model is given; otherwise a module
     is named, the first time it is asked for, by where it sits in the running module
-    that contains it. The root module is reported by its class name.
+    that contains it, or for a module not running (``model.blocks[2].half()``) in the live
+    root module that contains it. The root module is reported by its class name.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None):
@@ -96,10 +99,23 @@ class ModuleTracker:
                 if child is module and path:
                     prefix = self._path(parent, stack[:depth])
                     return f"{prefix}.{path}" if prefix else path
+        if stack:
+            return ""  # running below a root that does not contain it: no better name
+        for root in live_root_modules():
+            for path, child in root.named_modules():
+                if child is module and path:
+                    return path
         return ""
 
 
 _CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__
+
+
+def live_root_modules() -> List[torch.nn.Module]:
+    """Every live module that is no other live module's child (a heap walk: call rarely)."""
+    modules = live_instances(torch.nn.Module)
+    children = {id(child) for module in modules for child in module.children()}
+    return [module for module in modules if id(module) not in children]
 
 
 def running_modules() -> List[torch.nn.Module]:

@@ -32,9 +32,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import live_instances, watch_of
+from amp_runtime.monitors.scaler import watch_of
 from amp_runtime.rules.amp011 import flushes_to_zero
 from amp_runtime.thresholds import Thresholds
+from amp_runtime.tracking import live_root_modules
 
 #: A value whose magnitude is at most this rounds to zero in float16 (round-to-nearest-even).
 FP16_FLUSH_LIMIT = FP16_TINY_SUBNORMAL / 2
@@ -305,11 +306,8 @@ class ParameterNames:
             self._names.setdefault(id(param), name)
 
     def _search_modules(self) -> None:
-        modules = live_instances(torch.nn.Module)
-        children = {id(child) for module in modules for child in module.children()}
-        for module in modules:
-            if id(module) not in children:
-                self._add(module)
+        for module in live_root_modules():
+            self._add(module)
 
     def names(self, params: Sequence[torch.Tensor]) -> List[str]:
         key = tuple(map(id, params))  # the same parameters every step: one look-up
