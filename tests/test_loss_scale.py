@@ -53,6 +53,14 @@ def test_small_initial_scale_falling_below_floor():
     assert "below 128 and falling" in per_step[2][0][1]["reason"]
 
 
+def test_a_high_initial_scale_calibrating_down_to_the_default_is_not_a_decline():
+    """init_scale=2**24 halves to 2**16 in the first steps of a healthy run, then trains."""
+    sequence = halving(init=2.0 ** 24, steps=8) + [(65536.0, False)] * 20
+    assert not any(run_history(sequence, init=2.0 ** 24))
+    per_step = run_history(halving(init=2.0 ** 24, steps=16), init=2.0 ** 24)
+    assert [i for i, f in enumerate(per_step) if "AMP108" in codes(f)] == [12, 14]
+
+
 def test_calibration_skips_do_not_count_towards_overflow_rate():
     sequence = halving(steps=3) + [(8192.0, False)] * 200
     assert not any(run_history(sequence))

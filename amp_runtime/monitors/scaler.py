@@ -32,6 +32,9 @@ from torch.compiler import is_compiling
 from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.thresholds import Thresholds
 
+#: GradScaler's default init_scale; a higher initial scale calibrates down to about this.
+CALIBRATED_SCALE = 2.0 ** 16
+
 #: Frames searched upwards from a handler or hook for the GradScaler method that called it.
 _FRAME_DEPTH = 8
 
@@ -41,11 +44,14 @@ class LossScaleHistory:
 
     A decline episode starts at the first decrease and ends when the scale rises again; each AMP108
     reason and AMP107 is reported once per episode. AMP109 judges a full window of steps and ignores
-    the skips of the first steps, while the scale calibrates down from its initial value.
+    the skips of the first steps, while the scale calibrates down from its initial value. An initial
+    scale above GradScaler's default (2**16, about fp16's largest value) is expected to fall to it:
+    those decreases are calibration, and the default is the reference for AMP108's fraction.
     """
 
     def __init__(self, init_scale: float, limits: Thresholds):
         self.init_scale = init_scale
+        self.reference = min(init_scale, CALIBRATED_SCALE)
         self.limits = limits
         self.previous: Optional[float] = None
         self.decreases = 0
@@ -63,7 +69,7 @@ class LossScaleHistory:
             self.decreases = 0
             self.reported.clear()
         elif scale < previous:
-            self.decreases += 1
+            self.decreases += previous <= CALIBRATED_SCALE  # falling from above it is calibration
         else:
             self.decreases = 0
 
@@ -74,9 +80,9 @@ class LossScaleHistory:
         reasons = []
         if self.decreases >= limits.scale_decline_consecutive:
             reasons.append(("consecutive", f"{self.decreases} consecutive decreases"))
-        if scale < self.init_scale * limits.scale_decline_fraction:
+        if scale < self.reference * limits.scale_decline_fraction:
             reasons.append(("fraction", f"below {limits.scale_decline_fraction:g} "
-                                        f"of the initial {self.init_scale:g}"))
+                                        f"of the initial {self.reference:g}"))
         if scale < limits.scale_decline_floor and scale < previous:
             reasons.append(("floor", f"below {limits.scale_decline_floor:g} and falling"))
         for key, reason in reasons:
