@@ -242,6 +242,22 @@ def test_deliberate_infinite_masks_are_not_first_causes():
     assert g.report.events == []
 
 
+def test_masks_at_fp16s_most_negative_value_are_not_near_overflow():
+    """torch.finfo(dtype).min is AMP007's fix; the op that first makes a large value is reported."""
+    q = torch.randn(2, 8, 8)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    lowest = torch.finfo(torch.float16).min
+    big = torch.full((4,), 250.0, dtype=torch.float16)
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        with torch.autocast("cpu", dtype=torch.float16):
+            scores = q @ q.transpose(-1, -2)
+            torch.softmax(scores.masked_fill(~causal, lowest), dim=-1)
+            additive = torch.where(causal, 0.0, lowest).to(torch.float16)
+            torch.softmax(scores + additive, dim=-1)
+        big * big
+    assert [(e.code, e.op) for e in g.report.by_code("AMP1")] == [("AMP102", "mul")]
+
+
 def test_module_paths_without_a_model_follow_the_running_modules():
     shared = nn.Linear(4, 4)
     model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), shared)

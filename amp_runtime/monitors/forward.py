@@ -160,7 +160,9 @@ class ForwardMonitor(Monitor):
     def _judge_now(self, func, args, kwargs, out, out_max: float) -> None:
         details = {"dtype": dtype_name(out.dtype), "output_max": out_max}
         if math.isfinite(out_max):
-            self._check_near_overflow(func, out.dtype, out_max, details, {})
+            near = out.dtype == torch.float16  # a bf16 value this large is far from overflow
+            if near and self._record_inputs(args, kwargs, out, details, self.limits.near_overflow):
+                self._check_near_overflow(func, out.dtype, out_max, details, {})
             return
         if self._record_inputs(args, kwargs, out, details):
             self.guard.emit("AMP101", op=func, kind=nonfinite_kind(out_max), details=details)
@@ -183,23 +185,26 @@ class ForwardMonitor(Monitor):
             self.guard.emit("AMP102", op=func, value=out_max, details=details, **where)
 
     @staticmethod
-    def _record_inputs(args, kwargs, out, details) -> bool:
+    def _record_inputs(args, kwargs, out, details, limit: float = math.inf) -> bool:
         """Add the inputs' dtypes and max |x| to ``details``; True if the op had tensor
-        inputs and all were finite (a factory's output, or an inf the user passed as a
-        constant, is what the user asked for).
+        inputs and all of them, and its float constants, stay below ``limit`` in magnitude
+        (finite, by default). Otherwise the op is not the first cause: a factory's output, a
+        constant the user passed (``masked_fill(mask, float("-inf"))``, or
+        ``torch.finfo(torch.float16).min`` for AMP102) or an input already that large is what
+        the user asked for or was caused before.
 
         An in-place op's output is its own input and holds the new values, so it is left
         out: its old values were checked when they were produced.
         """
         values = (*args, *kwargs.values())
-        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-            return False  # a deliberate inf/NaN constant, e.g. masked_fill(mask, float("-inf"))
+        if any(isinstance(v, float) and not abs(v) < limit for v in values):
+            return False
         tensors = [t for v in values for t in tensors_in(v)]
         inputs = [t for t in tensors if t is not out and t.is_floating_point()]
         maxima = [peak(t).item() for t in inputs]
         details["input_dtypes"] = [dtype_name(t.dtype) for t in inputs]
         details["input_max"] = max(maxima, default=None)
-        return bool(tensors) and all(math.isfinite(m) for m in maxima)
+        return bool(tensors) and all(m < limit for m in maxima)
 
     # -- AMP112: the loss when backward starts -------------------------------------------
 
