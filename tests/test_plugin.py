@@ -188,6 +188,21 @@ def test_files_without_trigger_words_are_not_analysed():
     assert result[2].startswith("AMP000 flake8-amp could not analyse this file: ")
 
 
+@pytest.mark.parametrize("constant", ["-1_000_000", "-100000", "-1e9", "-70000.0"])
+def test_every_spelling_of_a_big_constant_passes_the_pre_check(tmp_path, flake8, constant):
+    path = tmp_path / "attention.py"
+    path.write_text(textwrap.dedent(f"""\
+        import torch
+
+
+        def scores(q, k, mask):
+            with torch.autocast("cuda", dtype=torch.float16):
+                return (q @ k.transpose(-2, -1)).masked_fill(mask, {constant})
+        """))
+    result = flake8(["--isolated", "--select=AMP", path])
+    assert codes(result.stdout) == ["AMP007"], result.stdout + result.stderr
+
+
 def test_analysis_failure_is_one_amp000_line_not_a_traceback():
     # Python parses this 1000-term sum, but building astroid's tree recurses too deep.
     # (Through the flake8 CLI, pyflakes already fails on such a file, so call the checker.)

@@ -36,10 +36,13 @@ FILL_METHODS = {
 }
 #: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``).
 FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where"}
-#: A value that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``2 ** 32``,
-#: ``torch.finfo(torch.float32)``.
+#: A value that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``100_000``,
+#: ``2 ** 32``, ``torch.finfo(torch.float32)``. Digits after a decimal point, in names or in
+#: paths (``0.7978845608``, ``issues/70627``) are not integers.
 BIG_LITERAL = re.compile(
-    r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)|\d{6}|\b[6-9]\d{4}\b|\*\*\s*\d\d|finfo\(torch\.(?:float|double)"
+    r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)"
+    r"|(?<![\w./#])(?:\d{6}|[6-9]\d{4}\b|\d+(?:_\d{3})+)"
+    r"|\*\*\s*\d\d|finfo\(torch\.(?:float|double)"
 )
 CONTAINER_NODES = (
     nodes.List,
