@@ -118,11 +118,12 @@ _RULES: Tuple[Rule, ...] = (
     ),
     _rule(
         "AMP004", "low-precision-reduce", "P1", _BOTH,
-        "{op} on a {dtype} tensor accumulates in low precision",
+        "{op} on a {dtype} tensor returns {dtype} (few significant bits; fp16 overflows past 65504)",
         "upcast first (x.float().{op}()) or pass dtype=torch.float32",
         "sum/mean/var/... reduction in fp16/bf16",
-        """A reduction over many fp16/bf16 values accumulates rounding error and, in
-        fp16, overflows past 65504 (a sum of 1024 values of 64 is already inf).
+        """A reduction of fp16/bf16 values returns fp16/bf16: PyTorch accumulates in fp32
+        internally, but the result is stored with 11 (fp16) or 8 (bf16) significant bits and,
+        in fp16, overflows past 65504 (a sum of 1024 values of 64 is already inf).
         Autocast upcasts some reductions on some devices (``sum``, ``prod``,
         ``cumsum``, ``norm`` on CUDA) but not ``mean``/``var``/``std``, and CPU fp16
         autocast keeps ``sum`` in fp16.""",
