@@ -118,7 +118,8 @@ _RULES: Tuple[Rule, ...] = (
     ),
     _rule(
         "AMP004", "low-precision-reduce", "P1", _BOTH,
-        "{op} on a {dtype} tensor returns {dtype} (few significant bits; fp16 overflows past 65504)",
+        "{op} on a {dtype} tensor returns {dtype} "
+        "(few significant bits; fp16 overflows past 65504)",
         "upcast first (x.float().{op}()) or pass dtype=torch.float32",
         "sum/mean/var/... reduction in fp16/bf16",
         """A reduction of fp16/bf16 values returns fp16/bf16: PyTorch accumulates in fp32
