@@ -59,9 +59,18 @@ class Event:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Dict[str, Any]) -> "Event":
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
+    def from_json(cls, data: Any) -> "Event":
+        """An event from ``to_json()``'s dict; ValueError says what makes ``data`` none."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        for key in ("code", "name", "severity", "message"):
+            if key not in data:
+                raise ValueError(f"no {key!r}")
+        for key, types in _JSON_TYPES.items():
+            value = data.get(key, {} if key == "details" else None)
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise ValueError(f"{key!r} is {value!r}")
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def where(self) -> str:
         """Module and source in one phrase, for messages."""
@@ -77,6 +86,11 @@ class Event:
 
 
 _LOCATION_FIELDS = ("op", "module", "step", "source", "rank", "details")
+_OPTIONAL_STR, _OPTIONAL_INT = (str, type(None)), (int, type(None))
+#: Event fields and the types a valid JSON record gives them.
+_JSON_TYPES = {"code": str, "name": str, "severity": str, "message": str, "op": _OPTIONAL_STR,
+               "module": _OPTIONAL_STR, "step": _OPTIONAL_INT, "source": _OPTIONAL_STR,
+               "rank": _OPTIONAL_INT, "details": dict}
 
 
 class GuardError(RuntimeError):
@@ -100,10 +114,11 @@ class GuardError(RuntimeError):
 
 
 def _in_package(tb) -> bool:
-    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+    return tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR)
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: amp_runtime's own folder: frames in it are the guard's, not the user's.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class Report:
@@ -191,6 +206,6 @@ class Report:
                     continue
                 try:
                     events.append(Event.from_json(json.loads(text)))
-                except (ValueError, TypeError) as err:
-                    raise ValueError(f"{path}:{number}: not an amp_runtime event: {err}") from None
+                except ValueError as err:
+                    raise ValueError(f"{path}:{number}: not an amp_runtime event ({err})") from None
         return cls(events)
