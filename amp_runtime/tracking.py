@@ -14,11 +14,11 @@ from typing import List, Optional
 
 import torch
 
-from .monitors.scaler import live_instances
+from .events import PACKAGE_DIR
+from .monitors import live_instances
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_SKIPPED_DIRS = (_TORCH_DIR, _PACKAGE_DIR)
+_SKIPPED_DIRS = (_TORCH_DIR, PACKAGE_DIR)
 
 
 def user_frame():
@@ -93,19 +93,18 @@ class ModuleTracker:
         """The path of ``module`` below the innermost running module that contains it."""
         for depth in range(len(stack) - 1, -1, -1):
             parent = stack[depth]
-            if parent is module:
-                continue
-            for path, child in parent.named_modules():
-                if child is module and path:
-                    prefix = self._path(parent, stack[:depth])
-                    return f"{prefix}.{path}" if prefix else path
+            path = _path_below(parent, module)
+            if path:
+                prefix = self._path(parent, stack[:depth])
+                return f"{prefix}.{path}" if prefix else path
         if stack:
             return ""  # running below a root that does not contain it: no better name
-        for root in live_root_modules():
-            for path, child in root.named_modules():
-                if child is module and path:
-                    return path
-        return ""
+        return next(filter(None, (_path_below(root, module) for root in live_root_modules())), "")
+
+
+def _path_below(parent: torch.nn.Module, module: torch.nn.Module) -> str:
+    """The dotted path of ``module`` inside ``parent`` ("" if it is not a descendant)."""
+    return next((path for path, child in parent.named_modules() if child is module and path), "")
 
 
 _CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__

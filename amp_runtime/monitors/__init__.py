@@ -8,6 +8,8 @@ torch function, so an op no check cares about costs one dict look-up.
 """
 from __future__ import annotations
 
+import gc
+import warnings
 from collections import deque
 from typing import Any, Callable, Dict, FrozenSet, Iterator, NamedTuple, Optional, Tuple
 
@@ -104,6 +106,14 @@ def autograd_nodes(root: torch.Tensor, limit: int) -> Iterator[Any]:
         seen.add(node)
         yield node
         queue.extend(next_node for next_node, _ in node.next_functions)
+
+
+def live_instances(cls) -> list:
+    """Every live object of ``cls`` (a full heap walk, for rare one-off look-ups)."""
+    with warnings.catch_warnings():
+        # isinstance() on some lazily deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
 
 
 def autocast_on(device_type: str) -> bool:

@@ -17,10 +17,8 @@ tensor it was multiplied with.
 from __future__ import annotations
 
 import functools
-import gc
 import sys
 import threading
-import warnings
 import weakref
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Tuple
@@ -29,7 +27,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.compiler import is_compiling
 
-from amp_runtime.monitors import Monitor, OpHandler
+from amp_runtime.monitors import Monitor, OpHandler, live_instances
 from amp_runtime.thresholds import Thresholds
 
 #: GradScaler's default init_scale; a higher initial scale calibrates down to about this.
@@ -163,14 +161,6 @@ def scaler_owning(scale: torch.Tensor) -> Optional[GradScaler]:
         if getattr(obj, "_scale", None) is not None and obj._scale.data_ptr() == pointer:
             return obj
     return None
-
-
-def live_instances(cls) -> list:
-    """Every live object of ``cls`` (a full heap walk, for rare one-off look-ups)."""
-    with warnings.catch_warnings():
-        # isinstance() on some lazily deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
 
 
 def scale_factor_of(root: torch.Tensor) -> Optional[torch.Tensor]:
