@@ -20,7 +20,7 @@ from typing import Dict, FrozenSet, Iterator, List, Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import keyword_value, last_part, simple_name
+from flake8_amp.analysis.names import keyword_value, last_part, method_call, simple_name
 
 NO_GRAD_CONTEXTS = frozenset(
     {
@@ -283,19 +283,11 @@ def _called_names(scope: nodes.NodeNG) -> List[str]:
 
 def _chain_call(node: Optional[nodes.NodeNG]) -> bool:
     """``node`` is ``<object>.<method>(...)`` with a method that returns the object."""
-    return (
-        isinstance(node, nodes.Call)
-        and isinstance(node.func, nodes.Attribute)
-        and node.func.attrname in CHAIN_METHODS
-    )
+    return isinstance(node, nodes.Call) and method_call(node)[0] in CHAIN_METHODS
 
 
 def _is_detach(node: nodes.NodeNG) -> bool:
-    return (
-        isinstance(node, nodes.Call)
-        and isinstance(node.func, nodes.Attribute)
-        and node.func.attrname in ("detach", "detach_")
-    )
+    return isinstance(node, nodes.Call) and method_call(node)[0] in ("detach", "detach_")
 
 
 def _is_false(node: Optional[nodes.NodeNG]) -> bool:
@@ -335,22 +327,16 @@ def _trained_arguments(call: nodes.Call) -> Iterator[str]:
 
 def _parameters_owner(arg: nodes.NodeNG) -> nodes.NodeNG:
     """``m`` for ``m.parameters()``; the argument itself otherwise."""
-    if (
-        isinstance(arg, nodes.Call)
-        and isinstance(arg.func, nodes.Attribute)
-        and arg.func.attrname in ("parameters", "named_parameters")
-    ):
-        return arg.func.expr
+    if isinstance(arg, nodes.Call):
+        method, receiver = method_call(arg)
+        if method in ("parameters", "named_parameters"):
+            return receiver
     return arg
 
 
 def _freezes_parameters(loop: nodes.For) -> bool:
     """``for p in m.parameters(): p.requires_grad = False`` (or ``p.requires_grad_(False)``)."""
-    if not (
-        isinstance(loop.iter, nodes.Call)
-        and isinstance(loop.iter.func, nodes.Attribute)
-        and loop.iter.func.attrname in ("parameters", "named_parameters")
-    ):
+    if _parameters_owner(loop.iter) is loop.iter:
         return False
     for statement in loop.body:
         if isinstance(statement, nodes.Assign) and _is_false(statement.value):

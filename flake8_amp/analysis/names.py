@@ -401,6 +401,14 @@ def _binding_run_by(statement: nodes.NodeNG, by_statement: Dict) -> Optional[nod
     return None
 
 
+def method_call(call: nodes.Call) -> Tuple[str, Optional[nodes.NodeNG]]:
+    """``(method name, receiver)`` of ``receiver.method(...)``; ``("", None)`` otherwise."""
+    func = call.func
+    if isinstance(func, nodes.Attribute):
+        return func.attrname, func.expr
+    return "", None
+
+
 def assigned_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     """For ``x = value`` / ``x: T = value`` / ``x := value``, the value bound to the
     target ``binding``; None for unpacking, loops, augmented assignment and others."""

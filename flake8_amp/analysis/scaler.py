@@ -26,7 +26,7 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.names import enclosing_class, is_self, keyword_value
+from flake8_amp.analysis.names import enclosing_class, is_self, keyword_value, method_call
 
 GRAD_SCALERS = frozenset(
     {
@@ -64,14 +64,6 @@ def expression_key(expr: nodes.NodeNG) -> Optional[str]:
         return None
     parts.append(expr.name)
     return ".".join(reversed(parts))
-
-
-def method_call(call: nodes.Call) -> Tuple[str, Optional[nodes.NodeNG]]:
-    """``(method name, receiver)`` of ``receiver.method(...)``; ``("", None)`` otherwise."""
-    func = call.func
-    if isinstance(func, nodes.Attribute):
-        return func.attrname, func.expr
-    return "", None
 
 
 def _is_amp_flag(expr: nodes.NodeNG) -> bool:

@@ -16,14 +16,13 @@ from typing import Optional
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.names import is_self, names_in
+from flake8_amp.analysis.names import is_self, method_call, names_in
 from flake8_amp.analysis.scaler import (
     HELPED,
     SCALED,
     UNSCALED,
     ScalerFlow,
     expression_key,
-    method_call,
     scaler_analysis,
 )
 from flake8_amp.engine import Check

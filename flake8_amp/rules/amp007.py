@@ -19,8 +19,8 @@ from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
-from flake8_amp.analysis.names import is_self, last_part
-from flake8_amp.analysis.scaler import expression_key, method_call
+from flake8_amp.analysis.names import is_self, last_part, method_call
+from flake8_amp.analysis.scaler import expression_key
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
 

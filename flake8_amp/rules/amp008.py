@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import is_self
-from flake8_amp.analysis.scaler import method_call
+from flake8_amp.analysis.names import is_self, method_call
 from flake8_amp.engine import Check, mentions_autocast
 
 AUTOGRAD_BACKWARD = frozenset({"torch.autograd.backward"})

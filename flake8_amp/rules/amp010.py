@@ -16,12 +16,11 @@ from typing import Iterator, List, Tuple
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import names_in
+from flake8_amp.analysis.names import method_call, names_in
 from flake8_amp.analysis.regions import BF16, FP16, Region
 from flake8_amp.analysis.scaler import (
     NESTED_SCOPES,
     calls_in_order,
-    method_call,
     scaler_analysis,
 )
 from flake8_amp.engine import Check, mentions_autocast

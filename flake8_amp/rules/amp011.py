@@ -15,7 +15,8 @@ from typing import Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import FP16
-from flake8_amp.analysis.scaler import calls_in_order, expression_key, method_call
+from flake8_amp.analysis.names import method_call
+from flake8_amp.analysis.scaler import calls_in_order, expression_key
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from flake8_amp.engine import Check
 from flake8_amp.rules.amp007 import attribute_not_in, numeric_constant
