@@ -10,6 +10,7 @@ is not installed). Instances are resolved to the class that built them
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -96,6 +97,23 @@ class Names:
         # Every rule asks about the same calls: answers are cached per node.
         self._bindings: Dict[nodes.Name, List[nodes.NodeNG]] = {}
         self._callees: Dict[nodes.Call, Optional[Callee]] = {}
+
+    # -- calls -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def module_calls(self) -> List[nodes.Call]:
+        """Every call of the module in source order: one walk that the analyses share."""
+        return list(self.context.module.nodes_of_class(nodes.Call))
+
+    @functools.cached_property
+    def calls_by_name(self) -> Dict[str, List[nodes.Call]]:
+        """The module's calls by the called name (``f`` for ``f(...)`` and ``x.f(...)``)."""
+        by_name: Dict[str, List[nodes.Call]] = {}
+        for call in self.module_calls:
+            name = simple_name(call.func)
+            if name:
+                by_name.setdefault(name, []).append(call)
+        return by_name
 
     # -- assignments -------------------------------------------------------------------
 

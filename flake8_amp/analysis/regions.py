@@ -76,7 +76,6 @@ class Regions:
         self.names = context.names
         self._opened: Dict[nodes.NodeNG, Optional[Region]] = {}
         self._inherited: Dict[nodes.NodeNG, Optional[Region]] = {}
-        self._calls_by_name: Optional[Dict[str, List[nodes.Call]]] = None
         extra = context.options.autocast_functions
         self._extra_qualnames = frozenset(name for name in extra if "." in name)
         self._extra_names = frozenset(last_part(name) for name in extra)
@@ -160,18 +159,10 @@ class Regions:
         return inherited
 
     def _call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
-        if self._calls_by_name is None:
-            self._calls_by_name = {}
-            for call in self.context.module.nodes_of_class(nodes.Call):
-                func = call.func
-                name = (
-                    func.name if isinstance(func, nodes.Name) else getattr(func, "attrname", None)
-                )
-                if name:
-                    self._calls_by_name.setdefault(name, []).append(call)
+        calls_by_name = self.names.calls_by_name
         owner = function.parent
         sites = []
-        for call in self._calls_by_name.get(function.name, ()):
+        for call in calls_by_name.get(function.name, ()):
             func = call.func
             if isinstance(owner, nodes.ClassDef):
                 if (
@@ -187,7 +178,7 @@ class Regions:
             # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``).
             sites.extend(
                 call
-                for calls in self._calls_by_name.values()
+                for calls in calls_by_name.values()
                 for call in calls
                 if self.names.local_class(call.func) is owner
             )

@@ -486,10 +486,6 @@ class ScalerAnalysis:
             return found[0] if len(found) == 1 else None
         return None
 
-    @functools.cached_property
-    def _module_calls(self) -> List[nodes.Call]:
-        return list(self.context.module.nodes_of_class(nodes.Call))
-
     def scaler_reaches(self, scope: nodes.NodeNG) -> bool:
         """An enabled ``GradScaler(...)`` built in this module can be used by ``scope``: it is
         built at module or class level or in ``scope`` itself, kept in ``self.<x>`` of
@@ -501,7 +497,7 @@ class ScalerAnalysis:
     def _enabled_constructions(self) -> List[nodes.Call]:
         return [
             call
-            for call in self._module_calls
+            for call in self.names.module_calls
             if self._builds_scaler(call) and _literal_enabled(call) is not False
         ]
 
@@ -513,8 +509,10 @@ class ScalerAnalysis:
         reach = self._reach(scope) if key.startswith("self.") else self.context.module
         if reach is None:
             return False
-        calls = self._module_calls if reach is self.context.module else reach.nodes_of_class(
-            nodes.Call
+        calls = (
+            self.names.module_calls
+            if reach is self.context.module
+            else reach.nodes_of_class(nodes.Call)
         )
         return not any(
             method_call(call)[0] == "unscale_"
@@ -593,11 +591,7 @@ class ScalerAnalysis:
             )
         if isinstance(scaler, nodes.Name) and _is_parameter(scaler, self.names):
             function = scaler.scope()
-            callers = {
-                call.scope()
-                for call in self.context.module.nodes_of_class(nodes.Call)
-                if _called_name(call) == function.name
-            }
+            callers = {call.scope() for call in self.names.calls_by_name.get(function.name, ())}
             if not callers:
                 return not self.flow(function).scaled_backwards
             return any(self._updates_a_scaler(caller) for caller in callers)
@@ -649,11 +643,6 @@ def _is_global(name: nodes.Name, names) -> bool:
     """``name`` (used in a function) is bound at module level only."""
     bindings = names.bindings(name)
     return bool(bindings) and all(isinstance(b.scope(), nodes.Module) for b in bindings)
-
-
-def _called_name(call: nodes.Call) -> str:
-    func = call.func
-    return func.name if isinstance(func, nodes.Name) else getattr(func, "attrname", "")
 
 
 def _is_parameter(name: nodes.Name, names) -> bool:
