@@ -482,6 +482,15 @@ def keyword_value(call: nodes.Call, name: str) -> Optional[nodes.NodeNG]:
     return None
 
 
+def call_argument(call: nodes.Call, position: int, name: str) -> Optional[nodes.NodeNG]:
+    """The argument passed as ``name=`` or at ``position`` (not a ``*args`` spread)."""
+    value = keyword_value(call, name)
+    if value is None and position < len(call.args):
+        if not isinstance(call.args[position], nodes.Starred):
+            value = call.args[position]
+    return value
+
+
 def names_in(expr: Sequence[nodes.NodeNG]) -> List[str]:
     """Every identifier (names and attribute names) in the given expressions."""
     words: List[str] = []

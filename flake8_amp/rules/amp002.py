@@ -7,7 +7,13 @@ from typing import Optional
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
-from flake8_amp.analysis.names import Callee, assigned_value, last_part, simple_name
+from flake8_amp.analysis.names import (
+    assigned_value,
+    call_argument,
+    last_part,
+    method_call,
+    simple_name,
+)
 from flake8_amp.analysis.regions import returned_values
 from flake8_amp.engine import Check, Options, mentions_autocast
 
@@ -47,8 +53,7 @@ class LossOutsideAutocast(Check):
             return
         # Only the prediction is judged: targets made in the region (``target =
         # scheduler.get_velocity(...)``) are data, and an upcast prediction is enough.
-        prediction = Callee("", args=tuple(node.args), keywords=tuple(node.keywords or ()))
-        arg = prediction.argument(0, "input")
+        arg = call_argument(node, 0, "input")
         produced = self._autocast_output_name(arg) if arg is not None else None
         if produced is not None:
             self.report(node, loss=self.source_text(node.func), arg=produced)
@@ -134,11 +139,7 @@ class LossOutsideAutocast(Check):
             return False
         for binding in self.context.names.reaching_bindings(model):
             value = _bound_value(binding)
-            if (
-                isinstance(value, nodes.Call)
-                and isinstance(value.func, nodes.Attribute)
-                and value.func.attrname in FP32_OUTPUT_WRAPPERS
-            ):
+            if isinstance(value, nodes.Call) and method_call(value)[0] in FP32_OUTPUT_WRAPPERS:
                 return True
         return False
 

@@ -19,7 +19,7 @@ from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
-from flake8_amp.analysis.names import is_self, last_part, method_call
+from flake8_amp.analysis.names import call_argument, is_self, last_part, method_call
 from flake8_amp.analysis.scaler import expression_key
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
@@ -250,21 +250,21 @@ class Fp16OverflowLiteral(Check):
             if method not in FILL_METHODS:
                 return None
             position, keyword = FILL_METHODS[method]
-            return method, receiver, _argument(node, position, keyword), dtype
+            return method, receiver, call_argument(node, position, keyword), dtype
         if qualname == "torch.full":
-            return "torch.full", None, _argument(node, 1, "fill_value"), dtype
+            return "torch.full", None, call_argument(node, 1, "fill_value"), dtype
         if qualname == "torch.full_like":
             return (
                 "torch.full_like",
-                _argument(node, 0, "input"),
-                _argument(node, 1, "fill_value"),
+                call_argument(node, 0, "input"),
+                call_argument(node, 1, "fill_value"),
                 dtype,
             )
         if qualname == "torch.masked_fill":
             return (
                 "torch.masked_fill",
-                _argument(node, 0, "input"),
-                _argument(node, 2, "value"),
+                call_argument(node, 0, "input"),
+                call_argument(node, 2, "value"),
                 dtype,
             )
         if qualname == "torch.where" and len(node.args) == 3:
@@ -309,15 +309,6 @@ def _keyed_by_string(subscript: nodes.Subscript) -> bool:
     """``stats["best"] = ...``: tensors are not indexed by strings, mappings are."""
     key = subscript.slice
     return isinstance(key, nodes.Const) and isinstance(key.value, str)
-
-
-def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.NodeNG]:
-    for kw in call.keywords or ():
-        if kw.arg == keyword:
-            return kw.value
-    if position < len(call.args) and not isinstance(call.args[position], nodes.Starred):
-        return call.args[position]
-    return None
 
 
 def _in_model_code(node: nodes.NodeNG) -> bool:

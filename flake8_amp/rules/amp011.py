@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.dtypes import FP16
-from flake8_amp.analysis.names import method_call
+from flake8_amp.analysis.names import call_argument, method_call
 from flake8_amp.analysis.scaler import calls_in_order, expression_key
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from flake8_amp.engine import Check
@@ -86,12 +86,12 @@ class TinyEpsilon(Check):
             if method in ADD_METHODS:
                 return receiver, node.args[0] if node.args else None
             if method in CLAMP_METHODS:
-                return receiver, _argument(node, 0, "min")
+                return receiver, call_argument(node, 0, "min")
             return None
         if qualname == "torch.add" and len(node.args) == 2:
             return node.args[0], node.args[1]
         if qualname in CLAMP_FUNCTIONS and node.args:
-            return node.args[0], _argument(node, 1, "min")
+            return node.args[0], call_argument(node, 1, "min")
         return None
 
     def _check_optimizer(self, node: nodes.Call) -> None:
@@ -130,13 +130,6 @@ class TinyEpsilon(Check):
             if method in CASTS and expression_key(receiver) == key:
                 last_cast = self.context.dtypes.of(call) or last_cast
         return last_cast == FP16
-
-
-def _argument(call: nodes.Call, position: int, keyword: str) -> Optional[nodes.NodeNG]:
-    for kw in call.keywords or ():
-        if kw.arg == keyword:
-            return kw.value
-    return call.args[position] if position < len(call.args) else None
 
 
 def _parameters_owner(params: Optional[nodes.NodeNG], names) -> Optional[nodes.NodeNG]:
