@@ -5,6 +5,15 @@ a list of monitors (``monitors``), each contributed by a module listed in
 ``MONITOR_MODULES`` through a ``monitors(guard)`` function. It counts training steps,
 turns per-op tracing on and off, and routes every finding through ``Guard.emit``.
 
+Watched steps: the mode is on the stack for the first ``Thresholds.watch_steps`` steps,
+then on one step in ``Thresholds.watch_every``, and on every step while per-op tracing is
+on. A training loop runs the same code at every step, and crossing a Python mode costs
+about a microsecond per torch call, which is what a host-bound (GPU) step would feel. So
+the code-pattern rules and the sampled AMP110/AMP111 checks run on watched steps, while
+the step-level checks (loss at backward, gradients, loss scale, step detection) run on
+every step through the entry points (``entry_points.py``), the optimizer hooks and the
+GradScaler methods (``monitors/scaler.py``).
+
 Threads: the mode is per thread, so only ops of the thread that entered the guard are
 checked; the global optimizer hooks ignore calls from other threads. Inside
 ``optimizer.step()`` the mode is off: the optimizer's many small ops are not forward
@@ -22,6 +31,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
+from torch.compiler import is_compiling
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -29,6 +39,7 @@ from torch.optim.optimizer import (
 
 from flake8_amp.catalog import RULES, SEVERITIES, matches, severity_rank
 
+from .entry_points import observe_entry_points, stop_observing_entry_points
 from .events import Event, GuardError, Report
 from .mode import GuardMode
 from .monitors import Monitor
@@ -145,7 +156,14 @@ class Guard:
         self._enabled_cache: Dict[str, bool] = {}
         self._warned = set()
         self._mode: Optional[GuardMode] = None
-        self._mode_left_for_optimizer = False
+        #: Mode bookkeeping (``_sync_mode``): whether this step is watched, whether the mode
+        #: is on the stack, and what keeps it off for now (unobserved regions, optimizer.step).
+        self._watching = True
+        self._mode_pushed = False
+        self._hidden = 0
+        self._in_optimizer = False
+        self._unobserved = _Unobserved(self)
+        self._observing_entry_points = False
         self._optimizer_hooks = []
         self._unobserved_optimizers = []
         self._events_file = None
@@ -163,6 +181,11 @@ class Guard:
         """Whether per-op checks are currently on."""
         return self._tracing
 
+    @property
+    def watching(self) -> bool:
+        """Whether the mode watches every torch call in this step (see the module doc)."""
+        return self._watching
+
     def enabled(self, code: str) -> bool:
         """Whether ``code`` passes this guard's select/ignore."""
         known = self._enabled_cache.get(code)
@@ -177,8 +200,10 @@ class Guard:
         if self.trace == "auto" and not self._tracing:
             self._tracing = True
             self.tracing_reason = reason
+            self._watching = True
             if self._mode is not None:
                 self._mode.set_tracing(True)
+            self._sync_mode()
 
     def step(self) -> None:
         """End the current training step by hand (for loops without optimizer or scaler)."""
@@ -267,7 +292,9 @@ class Guard:
             frozenset().union(*(m.untraced for m in self.monitors)),
         )
         self._mode.set_tracing(self._tracing)
-        self._mode.__enter__()
+        self._sync_mode()
+        observe_entry_points(self._run_entry_point)
+        self._observing_entry_points = True
         self._optimizer_hooks.append(register_optimizer_step_post_hook(self._optimizer_step_ends))
 
     def _uninstall(self) -> None:
@@ -281,12 +308,15 @@ class Guard:
             if optimizer is not None and vars(optimizer).get("zero_grad") is wrapper:
                 del optimizer.zero_grad
         self._unobserved_optimizers = []
+        if self._observing_entry_points:
+            stop_observing_entry_points(self._run_entry_point)
+            self._observing_entry_points = False
         if self._mode is not None:
-            if not self._mode_left_for_optimizer and not self._mode.suspend():
+            if self._mode_pushed and not self._mode.pop():
                 errors.append(RuntimeError(
                     "amp_runtime: a TorchFunctionMode entered inside the guard is still active; "
                     "the guard's mode could not be removed"))
-            self._mode_left_for_optimizer = False
+            self._mode_pushed = self._in_optimizer = False
             self._mode = None
         for monitor in reversed(self.monitors):
             try:
@@ -317,13 +347,39 @@ class Guard:
     def _set_suspended(self, suspended: bool) -> None:
         self.suspended = suspended
         if self._mode is not None:
-            self._mode.set_passthrough(suspended)
+            self._mode.set_passthrough(suspended)  # for when it cannot leave the stack
+            self._sync_mode()
+
+    def _sync_mode(self) -> None:
+        """Put the mode on the stack or take it off, as the step and the running code want."""
+        mode = self._mode
+        if mode is None or mode.dispatching:
+            return
+        wanted = (self._watching and not self.suspended and not self._hidden
+                  and not self._in_optimizer)
+        if wanted and not self._mode_pushed:
+            mode.push()
+            self._mode_pushed = True
+        elif not wanted and self._mode_pushed and mode.pop():
+            # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
+            self._mode_pushed = False
+
+    def _run_entry_point(self, original, args, kwargs):
+        """An entry point (``entry_points.py``) was called in this guard's thread: run it
+        through the mode's handlers, with the mode off, as the mode runs a handled call."""
+        mode = self._mode
+        if (mode is None or self._hidden or self._in_optimizer or is_compiling()
+                or not torch._C._is_torch_function_enabled()):
+            return original(*args, **kwargs)
+        with self._unobserved:
+            return mode.__torch_function__(original, (), args, kwargs)
 
     def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
-        if self._mode is None or self._mode_left_for_optimizer:
+        if self._mode is None or self._in_optimizer:
             return
         if threading.get_ident() == self._thread:
-            self._mode_left_for_optimizer = self._mode.suspend()
+            self._in_optimizer = True
+            self._sync_mode()
             if "zero_grad" not in vars(optimizer):
                 self._zero_grad_unobserved(optimizer)
 
@@ -343,14 +399,14 @@ class Guard:
         self._unobserved_optimizers.append((weakref.ref(optimizer), unobserved_zero_grad))
 
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
-        if self._mode_left_for_optimizer and threading.get_ident() == self._thread:
-            self._mode_left_for_optimizer = False
-            self._mode.resume()
+        if self._in_optimizer and threading.get_ident() == self._thread:
+            self._in_optimizer = False
+            self._sync_mode()
 
     def unobserved(self) -> "_Unobserved":
         """Run the guard's own bookkeeping (tensor reads in hooks, step-end work) without
         its mode: otherwise every ``.grad`` or ``.dtype`` read would pass through it."""
-        return _Unobserved(self)
+        return self._unobserved
 
     def _end_step(self) -> None:
         with self.unobserved():
@@ -373,6 +429,10 @@ class Guard:
             self.tracing_reason = None
             if self._mode is not None:
                 self._mode.set_tracing(False)
+        limits = self.thresholds
+        self._watching = (self._tracing or self.step_index < limits.watch_steps
+                          or self.step_index % limits.watch_every == 0)
+        self._sync_mode()
 
     def _recorders(self) -> List["Guard"]:
         """This guard and the guards it is nested in, which record its events too."""
@@ -403,21 +463,20 @@ class Guard:
 
 
 class _Unobserved:
-    """``Guard.unobserved()``: a plain context manager, as it is entered several times a step."""
+    """``Guard.unobserved()``: keeps the mode off the stack while entered (re-entrant)."""
 
-    __slots__ = ("_guard", "_left")
+    __slots__ = ("_guard",)
 
     def __init__(self, guard: Guard):
         self._guard = guard
-        self._left = False
 
     def __enter__(self) -> None:
-        mode = self._guard._mode
-        self._left = mode is not None and mode.suspend()
+        self._guard._hidden += 1
+        self._guard._sync_mode()
 
     def __exit__(self, *exc_info) -> None:
-        if self._left:
-            self._guard._mode.resume()
+        self._guard._hidden -= 1
+        self._guard._sync_mode()
 
 
 def _rank() -> Optional[int]:

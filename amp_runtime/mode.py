@@ -5,9 +5,11 @@ small closure that runs the ``before`` handlers, the op and the ``after`` handle
 Functions absent from the table go straight through. When per-op tracing is on, a
 tracer (an ``after`` handler) is added to every entry and used for every other function.
 
-The mode stack is per thread: ops run by other threads are not seen. Code compiled with
-``torch.compile`` runs unchecked: while dynamo traces, the handlers step aside so that
-they neither enter the graph nor break it.
+The guard keeps the mode on the stack on watched steps only (``guard.py``); a few functions
+that step-level checks need on every step reach the same handlers through
+``entry_points.py``. The mode stack is per thread: ops run by other threads are not
+seen. Code compiled with ``torch.compile`` runs unchecked: while dynamo traces, the handlers
+step aside so that they neither enter the graph nor break it.
 """
 from __future__ import annotations
 
@@ -26,25 +28,34 @@ from .monitors import After, Before, OpHandler
 Entry = Callable[[Any, tuple, dict], Any]
 
 
-def _entry(befores: List[Before], afters: List[After]) -> Entry:
+def _entry(mode: "GuardMode", befores: List[Before], afters: List[After]) -> Entry:
     """One closure running the op between its handlers."""
     befores, afters = tuple(befores), tuple(afters)
 
     def run(func, args, kwargs):
         if is_compiling():  # torch.compile traces this mode: stay out of its graph
             return func(*args, **kwargs)
-        for before in befores:
-            before(func, args, kwargs)
-        out = func(*args, **kwargs)
-        for after in afters:
-            after(func, args, kwargs, out)
-        return out
+        mode.dispatching += 1
+        try:
+            for before in befores:
+                before(func, args, kwargs)
+            out = func(*args, **kwargs)
+            for after in afters:
+                after(func, args, kwargs, out)
+            return out
+        finally:
+            mode.dispatching -= 1
 
     return run
 
 
 class GuardMode(TorchFunctionMode):
-    """Dispatches torch functions to the merged handler table."""
+    """Dispatches torch functions to the merged handler table.
+
+    ``dispatching`` counts handled calls in progress: while torch runs ``__torch_function__``
+    it has taken the mode off the stack and puts it back afterwards, so the guard must not
+    push or pop it then.
+    """
 
     def __init__(
         self,
@@ -61,15 +72,16 @@ class GuardMode(TorchFunctionMode):
                     befores.append(handler.before)
                 if handler.after is not None:
                     afters.append(handler.after)
-        self._cheap = {func: _entry(b, a) for func, (b, a) in merged.items()}
+        self.dispatching = 0
+        self._cheap = {func: _entry(self, b, a) for func, (b, a) in merged.items()}
         tracers = list(tracers)
         if tracers:
             # An untraced function keeps its cheap entry, or None: straight through.
             self._traced = {func: self._cheap.get(func) for func in untraced}
             for func, (befores, afters) in merged.items():
                 if func not in untraced:
-                    self._traced[func] = _entry(befores, afters + tracers)
-            self._trace_default = _entry([], tracers)
+                    self._traced[func] = _entry(self, befores, afters + tracers)
+            self._trace_default = _entry(self, [], tracers)
         else:
             self._traced, self._trace_default = self._cheap, None
         self._table: Dict[Any, Entry] = self._cheap
@@ -94,16 +106,16 @@ class GuardMode(TorchFunctionMode):
         else:
             self._table, self._default = self._cheap, None
 
-    def suspend(self) -> bool:
+    def push(self) -> None:
+        _push_mode(self)
+
+    def pop(self) -> bool:
         """Leave the mode stack if this mode is on top of it; True when it left."""
         stack = _get_current_function_mode_stack()
         if not stack or stack[-1] is not self:
             return False
         _pop_mode()
         return True
-
-    def resume(self) -> None:
-        _push_mode(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         entry = self._table.get(func, self._default)

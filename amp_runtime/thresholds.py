@@ -33,6 +33,11 @@ class Thresholds:
     auto_quiet_steps: int = 50
     #: metrics.jsonl: per-layer gradient statistics every this many steps.
     metrics_every: int = 1
+    #: Watched steps, on which the code-pattern rules and AMP110/AMP111 see every torch call:
+    #: the first ``watch_steps`` steps, then one in ``watch_every`` (1: every step), and every
+    #: step while tracing. Step-level checks (loss, gradients, loss scale) run on every step.
+    watch_steps: int = 8
+    watch_every: int = 16
 
     def __post_init__(self):
         for f in fields(self):
@@ -42,7 +47,8 @@ class Thresholds:
                     f"Thresholds.{f.name} must be a non-negative number, got {value!r}")
         if self.grad_explosion_p0 < self.grad_explosion:
             raise ValueError("Thresholds.grad_explosion_p0 must be >= grad_explosion")
-        counts = ("sample_every", "overflow_window", "metrics_every", "scale_decline_consecutive")
+        counts = ("sample_every", "overflow_window", "metrics_every", "scale_decline_consecutive",
+                  "watch_every")
         for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"Thresholds.{name} must be >= 1")

@@ -8,9 +8,10 @@ the mode's work in an fp16 step. What they did is read from the scaler's own sta
 are replaced on the class, not on the scaler (which stays picklable and copyable), only while a
 guard is active; in other threads and for subclasses that override them they run as before.
 
-Scalers whose methods are not those (subclasses) are observed through the guard's mode, which sees
-``torch._amp_foreach_non_finite_check_and_unscale_`` and ``torch._amp_update_scale_``; the
-``GradScaler`` running them is the ``self`` of the calling frame. A loss scaled by a scaler not seen
+Scalers whose methods are not those (subclasses) are observed where they run
+``torch._amp_foreach_non_finite_check_and_unscale_`` and ``torch._amp_update_scale_`` (through
+the mode, or on unwatched steps the entry points, ``entry_points.py``); the ``GradScaler``
+running them is the ``self`` of the calling frame. A loss scaled by a scaler not seen
 yet (``scaler.scale(loss).backward()`` in the first step) is matched to its scaler by the scale
 tensor it was multiplied with.
 """
@@ -27,6 +28,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.compiler import is_compiling
 
+from amp_runtime.entry_points import SharedPatch
 from amp_runtime.monitors import Monitor, OpHandler, live_instances
 from amp_runtime.thresholds import Thresholds
 
@@ -34,7 +36,7 @@ from amp_runtime.thresholds import Thresholds
 CALIBRATED_SCALE = 2.0 ** 16
 
 #: Frames searched upwards from a handler or hook for the GradScaler method that called it.
-_FRAME_DEPTH = 8
+_FRAME_DEPTH = 10
 
 
 class LossScaleHistory:
@@ -194,8 +196,6 @@ _TORCH_METHODS = {name: vars(GradScaler)[name] for name in _UNOBSERVED_METHODS +
 
 #: Per thread: the ScalerWatches of the active guards (``.stack``, innermost last).
 _watches = threading.local()
-_patch_lock = threading.Lock()
-_patch_users = 0
 _plain_classes: Dict[type, bool] = {}
 
 
@@ -226,19 +226,9 @@ def _unobserved_method(name: str):
     return method
 
 
-_PATCHES = {name: _unobserved_method(name) for name in _UNOBSERVED_METHODS}
-
-
-def _patch_scaler_class(install: bool) -> None:
-    """Put the unobserved methods on GradScaler for the first guard, remove them with the last."""
-    global _patch_users
-    with _patch_lock:
-        _patch_users += 1 if install else -1
-        for name, method in _PATCHES.items():
-            if install and _patch_users == 1:
-                setattr(GradScaler, name, method)
-            elif not install and _patch_users == 0 and vars(GradScaler).get(name) is method:
-                setattr(GradScaler, name, _TORCH_METHODS[name])
+#: GradScaler's methods replaced while a guard is active.
+_SCALER_PATCH = SharedPatch(
+    (GradScaler, name, _unobserved_method(name)) for name in _UNOBSERVED_METHODS)
 
 
 #: ``listener(scaler, optimizer, still_scaled, grads)`` after a scaler checked an optimizer's
@@ -304,7 +294,7 @@ class ScalerWatch(Monitor):
         if stack is None:
             stack = _watches.stack = []
         stack.append(self)
-        _patch_scaler_class(True)
+        _SCALER_PATCH.acquire()
         self._patched = True
 
     # -- lookups for the other monitors ------------------------------------------------
@@ -434,7 +424,7 @@ class ScalerWatch(Monitor):
             stack.remove(self)
         if self._patched:
             self._patched = False
-            _patch_scaler_class(False)
+            _SCALER_PATCH.release()
         self.check_listeners.clear()
         self.update_listeners.clear()
         self.states.clear()

@@ -1,0 +1,102 @@
+"""Torch functions the guard observes by replacing them, so that they are seen on every step.
+
+The guard's mode is on the stack only on watched steps (``Guard`` in ``guard.py``): every
+torch call crossing a Python TorchFunctionMode costs time, and the code-pattern rules need
+to see a loop's code once, not at every step. The step-level checks must see a few calls on
+every step, though: where backward starts (AMP112's loss check, AMP008, AMP006's scaled
+backward, step detection), the norms ``clip_grad_norm_`` computes (reused by the gradient
+monitor, AMP005) and the loss-scale kernels of GradScaler subclasses (``monitors/scaler.py``).
+Those functions are replaced on their modules while a guard is active, and run the handlers
+the mode would have run, with the mode off, as the mode runs them.
+
+Calls through the attribute (``loss.backward()``, ``torch.autograd.grad(...)``,
+``clip_grad_norm_``'s ``torch._foreach_norm``) are seen; a name imported before the guard
+was entered (``from torch.autograd import grad``) is seen on watched steps only.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Iterable, Tuple
+
+import torch
+
+#: (owner, attribute) of each function replaced while a guard is active.
+ENTRY_POINTS: Tuple[Tuple[Any, str], ...] = (
+    (torch.Tensor, "backward"),
+    (torch.autograd, "backward"),
+    (torch.autograd, "grad"),
+    (torch, "_foreach_norm"),
+    # GradScaler subclasses that override its methods run these kernels observed
+    (torch, "_amp_foreach_non_finite_check_and_unscale_"),
+    (torch, "_amp_update_scale_"),
+)
+
+#: The original functions: the keys under which monitors declare their handlers.
+ORIGINALS = tuple(vars(owner)[name] for owner, name in ENTRY_POINTS)
+
+
+class SharedPatch:
+    """Attributes replaced while at least one user holds the patch (refcounted, thread-safe).
+
+    A replaced attribute is restored by the last user only if it is still ours: code that
+    patched it after us keeps its own.
+    """
+
+    def __init__(self, replacements: Iterable[Tuple[Any, str, Callable]]):
+        self._replacements = [(owner, name, vars(owner)[name], new)
+                              for owner, name, new in replacements]
+        self._lock = threading.Lock()
+        self._users = 0
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                for owner, name, _, new in self._replacements:
+                    setattr(owner, name, new)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for owner, name, original, new in self._replacements:
+                    if vars(owner).get(name) is new:
+                        setattr(owner, name, original)
+
+
+#: ``runner(original, args, kwargs)`` per thread: the innermost active guard's, or None.
+_runners = threading.local()
+
+
+def _observed(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def observed(*args, **kwargs):
+        runner = getattr(_runners, "stack", None)
+        if not runner:
+            return original(*args, **kwargs)
+        return runner[-1](original, args, kwargs)
+
+    return observed
+
+
+_PATCH = SharedPatch(
+    (owner, name, _observed(original))
+    for (owner, name), original in zip(ENTRY_POINTS, ORIGINALS)
+)
+
+
+def observe_entry_points(runner: Callable[[Callable, tuple, dict], Any]) -> None:
+    """Route this thread's calls of the entry points to ``runner`` (innermost guard last)."""
+    stack = getattr(_runners, "stack", None)
+    if stack is None:
+        stack = _runners.stack = []
+    stack.append(runner)
+    _PATCH.acquire()
+
+
+def stop_observing_entry_points(runner: Callable) -> None:
+    stack: list = getattr(_runners, "stack", [])
+    if runner in stack:
+        stack.remove(runner)
+        _PATCH.release()
