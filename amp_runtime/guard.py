@@ -152,6 +152,8 @@ class Guard:
         #: Set by the first ``step()`` call: the loop marks its steps by hand.
         self.manual_steps = False
         self.monitors: List[Monitor] = []
+        self._flushes: List[Callable[[], None]] = []
+        self._step_ends: List[Callable[[int, Dict[str, Any]], None]] = []
         self.tracker = ModuleTracker(model)
         self._enabled_cache: Dict[str, bool] = {}
         self._warned = set()
@@ -268,8 +270,8 @@ class Guard:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
-                for monitor in self.monitors:
-                    monitor.flush()
+                for flush in self._flushes:
+                    flush()
         finally:
             self._uninstall()
 
@@ -286,6 +288,9 @@ class Guard:
         for monitor in self._build_monitors():
             self.monitors.append(monitor)
             monitor.attach(self)
+        # the step end calls only the monitors that do something there
+        self._flushes = _overridden(self.monitors, "flush")
+        self._step_ends = _overridden(self.monitors, "on_step_end")
         self._mode = GuardMode(
             (m.op_handlers() for m in self.monitors),
             [m.trace_handler for m in self.monitors if m.trace_handler is not None],
@@ -323,7 +328,7 @@ class Guard:
                 monitor.detach()
             except Exception as err:  # keep removing the others' hooks
                 errors.append(err)
-        self.monitors = []
+        self.monitors, self._flushes, self._step_ends = [], [], []
         if self._events_file is not None:
             self._events_file.close()
             self._events_file = None
@@ -414,11 +419,11 @@ class Guard:
 
     def _finish_step(self) -> None:
         step = self.step_index
-        for monitor in self.monitors:
-            monitor.flush()
+        for flush in self._flushes:
+            flush()
         record: Dict[str, Any] = {"step": step}
-        for monitor in self.monitors:
-            monitor.on_step_end(step, record)
+        for on_step_end in self._step_ends:
+            on_step_end(step, record)
         for listener in self.step_listeners:
             listener(step, record)
         self.step_index = step + 1
@@ -477,6 +482,12 @@ class _Unobserved:
     def __exit__(self, *exc_info) -> None:
         self._guard._hidden -= 1
         self._guard._sync_mode()
+
+
+def _overridden(monitors: List[Monitor], method: str) -> List[Callable]:
+    """The bound ``method`` of each monitor whose class overrides the base class's."""
+    base = getattr(Monitor, method)
+    return [getattr(m, method) for m in monitors if getattr(type(m), method) is not base]
 
 
 def _rank() -> Optional[int]:
