@@ -3,28 +3,30 @@
     python benchmarks/guard_overhead.py            # full run
     python benchmarks/guard_overhead.py --quick    # fewer repetitions
 
-Two shapes: "compute" (d=128, matmul-bound) and "host" (d=32, tiny: Python time per op
-dominates, the better proxy for a GPU where kernels are fast). Precisions: fp32, and
-bf16/fp16 autocast (fp16 with a GradScaler). Variants are alternated within one process
-so that drift hits all of them alike; the table shows the median CPU time per step and
-the ratio to the unguarded step. One intra-op thread keeps the numbers stable.
+Three shapes: "compute" (d=128, matmul-bound), "host" (d=32, about 8 ms a step: the
+host-bound shape of the guard issue, the proxy for a GPU where kernels are fast and Python
+time per op is what shows) and "tiny" (d=32, about 4 ms: harsher still). Precisions: fp32,
+and bf16/fp16 autocast (fp16 with a GradScaler). Variants are alternated within one process
+so that drift hits all of them alike; the table shows the median CPU time per step in steady
+state and its ratio to the unguarded step, and the same ratio over the warm-up steps (a
+guard's start-up). One intra-op thread keeps the numbers stable.
 
-What dominates (profiled): in the host-bound shape, the TorchFunctionMode's own dispatch
-of the forward pass -- every torch call and tensor attribute read from Python crosses into
-the mode: ~74 per step in every precision (optimizer.step(), zero_grad() and GradScaler's
-unscale_/step/update run unobserved; GradScaler's attribute reads were 250 more), ~1 us
-each for a C function but ~10 us for the ~13 Python-level ones (F.layer_norm, F.softmax,
-Tensor.split, Tensor.backward, ...), which go through torch's Python handle_torch_function.
-That is a floor for any Python TorchFunctionMode over the forward pass: a bare pass-through
-mode over forward and backward measured ~1.07-1.10x in the host fp32 shape. The guard's own
-per-step Python (handlers, optimizer hooks, step end, judging the gradient norms) adds
-~8-10k bytecodes to a step of ~14k; the gradient norms cost ~50 us of CPU kernels a step
-(torch._foreach_norm is a per-tensor loop on CPU, one fused kernel on CUDA) plus a detailed
-pass every 16th step (the "without grad stats" row drops them); and since every variant
-enters a fresh guard, the measured steps include 7 of AMP010's 8 autograd-graph probes
-(~0.2 ms each in fp32/bf16). In the compute-bound shape the mode is noise, and
-trace="always" pays one max-|x| reduction (abs().amax() on CPU) plus ~3 us of Python per
-checked output.
+What dominates (profiled), in the host-bound shapes:
+* Watched steps (the first 8, then one in 16): the TorchFunctionMode's dispatch of every
+  torch call, ~1 us for a C function and ~10 us for a Python-level one (F.layer_norm,
+  F.softmax, Tensor.split, ...), +10-20 % on such a step; a bare pass-through mode costs
+  about as much. Spread over 16 steps it is ~1 %.
+* Every step: one torch._foreach_norm over all gradients plus one host read (~50-90 us on
+  this CPU, where _foreach_norm loops over the tensors; one fused kernel on CUDA), the
+  handlers at backward (entry_points.py), the optimizer hooks, GradScaler bookkeeping and
+  the step end: ~0.2-0.3 ms of Python in all, which is what the "tiny" rows show.
+* Every 16th step the detailed gradient statistics (max, zeros, fp16 underflow at the loss
+  scale: ~10 foreach passes, ~0.8 ms here); the "without grad stats" rows drop all of them.
+* Start-up: entering a guard imports and builds its monitors, AMP010 probes the autograd
+  graph of the first backward passes and the first steps are watched: the "first steps"
+  column, a one-time cost.
+In the compute-bound shape the guard is noise, and trace="always" pays one max-|x|
+reduction (abs().amax() on CPU) plus ~3 us of Python per checked output.
 """
 from __future__ import annotations
 
@@ -103,15 +105,26 @@ class Shape:
     vocab: int = 256
 
 
+_HOST = Shape("host", width=32, heads=2, layers=2, length=64, batch=8)
+_TINY = Shape("tiny", width=32, heads=2, layers=2, length=32, batch=8)
+#: Per shape, the model size for each precision. fp16 matmul is ~10x slower than fp32 and
+#: bf16 on this CPU: smaller fp16 sizes keep each shape's step time in the same range.
 SHAPES = {
-    "compute": Shape("compute", width=128, heads=4, layers=2, length=64, batch=8),
-    "host": Shape("host", width=32, heads=2, layers=2, length=32, batch=8),
-}
-#: fp16 matmul is ~10x slower than fp32 and bf16 on this CPU: smaller fp16 shapes keep the run
-#: short (the compute one is still matmul-bound, the host one still about 4 ms a step).
-FP16_SHAPES = {
-    "compute": Shape("compute", width=128, heads=4, layers=1, length=32, batch=4),
-    "host": Shape("host", width=32, heads=2, layers=2, length=16, batch=2),
+    "compute": {
+        torch.float32: Shape("compute", width=128, heads=4, layers=2, length=64, batch=8),
+        torch.bfloat16: Shape("compute", width=128, heads=4, layers=2, length=64, batch=8),
+        torch.float16: Shape("compute", width=128, heads=4, layers=1, length=32, batch=4),
+    },
+    "host": {
+        torch.float32: _HOST,
+        torch.bfloat16: _HOST,
+        torch.float16: Shape("host", width=32, heads=2, layers=2, length=32, batch=4),
+    },
+    "tiny": {
+        torch.float32: _TINY,
+        torch.bfloat16: _TINY,
+        torch.float16: Shape("tiny", width=32, heads=2, layers=2, length=16, batch=2),
+    },
 }
 #: Steps each variant runs before it is timed: a guard's first steps are all watched and
 #: AMP010 probes the autograd graph of the first backward passes; that start-up is shown in
@@ -119,7 +132,7 @@ FP16_SHAPES = {
 WARMUP_STEPS = 10
 #: Timed steps per variant and repetition: a multiple of Thresholds.watch_every (16), so that
 #: the timed steps hold the steady-state share of watched steps.
-TIMED_STEPS = {"compute": 16, "host": 32}
+TIMED_STEPS = {"compute": 16, "host": 32, "tiny": 32}
 
 
 class Trainer:
@@ -203,7 +216,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|")
     for shape_name in options.shapes:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            used = FP16_SHAPES[shape_name] if dtype == torch.float16 else SHAPES[shape_name]
+            used = SHAPES[shape_name][dtype]
             results = measure(Trainer(used, dtype), repetitions, TIMED_STEPS[shape_name])
             baseline, baseline_startup, _ = results["no guard"]
             for name, (seconds, startup, events) in results.items():

@@ -8,9 +8,9 @@ norms and losses in fp32 on low-precision inputs, and a NaN born there is still 
 first cause. fp32 ops outside autocast are not mixed precision's business, and
 checking them would double the cost of tracing an fp32 model.
 
-The cheap tier, on every step, checks the loss when backward starts (AMP112) and, on a
-sample of calls (one in ``Thresholds.sample_every``), low-precision adds (AMP110) and
-reductions (AMP111).
+The cheap tier checks the loss when backward starts (AMP112) on every step and, on watched
+steps (``guard.py``), a sample of calls (one in ``Thresholds.sample_every``) of low-precision
+adds (AMP110) and reductions (AMP111).
 
 No host synchronisation per op: values computed on an accelerator are kept on the
 device and read together when the step ends (``flush``). CPU values are read at once,
