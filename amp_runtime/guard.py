@@ -363,8 +363,7 @@ class Guard:
         wanted = (self._watching and not self.suspended and not self._hidden
                   and not self._in_optimizer)
         if wanted and not self._mode_pushed:
-            mode.push()
-            self._mode_pushed = True
+            self._mode_pushed = mode.push()
         elif not wanted and self._mode_pushed and mode.pop():
             # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
             self._mode_pushed = False

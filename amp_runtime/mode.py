@@ -88,6 +88,8 @@ class GuardMode(TorchFunctionMode):
         self._default: Optional[Entry] = None
         self._tracing = False
         self._passthrough = False
+        #: (stack depth, mode below) when this mode last left the stack.
+        self._left_at: Optional[tuple] = None
 
     def set_tracing(self, on: bool) -> None:
         self._tracing = on
@@ -106,8 +108,16 @@ class GuardMode(TorchFunctionMode):
         else:
             self._table, self._default = self._cheap, None
 
-    def push(self) -> None:
+    def push(self) -> bool:
+        """Go back on the stack where ``pop`` left it; False (and stay off) while a mode
+        entered since then is still on it: that mode's exit pops whatever is on top."""
+        if self._left_at is not None:
+            stack = _get_current_function_mode_stack()
+            top = stack[-1] if stack else None
+            if (len(stack), top) != self._left_at:
+                return False
         _push_mode(self)
+        return True
 
     def pop(self) -> bool:
         """Leave the mode stack if this mode is on top of it; True when it left."""
@@ -115,6 +125,7 @@ class GuardMode(TorchFunctionMode):
         if not stack or stack[-1] is not self:
             return False
         _pop_mode()
+        self._left_at = (len(stack) - 1, stack[-2] if len(stack) > 1 else None)
         return True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -133,3 +133,24 @@ def test_nested_guards_route_entry_points_to_the_innermost():
     assert entry_points_restored()
     assert [e.code for e in inner.report] == ["AMP112"]
     assert [e.code for e in outer.report] == ["AMP112", "AMP112"]  # the inner guard's, then its own
+
+
+def test_a_mode_entered_while_the_guard_is_off_the_stack_keeps_its_place():
+    """``with torch.device(...)`` (a TorchFunctionMode) entered on an unwatched step and left on a
+    watched one: its exit pops the top of the stack, so the guard comes back only after it."""
+    with amp_runtime.guard(policy="record", thresholds=SPARSE, select=["AMP004"]) as g:
+        g.step(), g.step()
+        assert not g.watching
+        with torch.device("cpu"):
+            g.step(), g.step()  # step 4 is watched, but the device mode is on top
+            assert g.watching
+            stack = _get_current_function_mode_stack()
+            assert len(stack) == 1 and g._mode not in stack
+        assert _get_current_function_mode_stack() == []
+        torch.randn(8, dtype=torch.float16).sum()  # not seen yet: no sync point since
+        g.step()  # the step end is a sync point: back on the stack for the next watched step
+        g.step(), g.step(), g.step()
+        assert g.watching and _get_current_function_mode_stack() == [g._mode]
+        torch.randn(8, dtype=torch.float16).sum()
+    assert _get_current_function_mode_stack() == []
+    assert [e.step for e in g.report] == [8]
