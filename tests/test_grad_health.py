@@ -329,13 +329,16 @@ def test_gradient_accumulation_is_judged_once_per_step(tmp_path):
     assert metrics[0]["loss"] == pytest.approx(sum(micro_losses[:4]) / 4, rel=1e-3)
 
 
-def test_norm_is_taken_before_clipping_reusing_clip_grad_norm():
+@pytest.mark.parametrize("watched", ["every step", "step 0 only"])
+def test_norm_is_taken_before_clipping_reusing_clip_grad_norm(watched):
     model = mlp(depth=2, width=16, activation=torch.nn.Tanh)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     clip_norms, recorded = [], []
+    limits = Thresholds(watch_every=1) if watched == "every step" else Thresholds(
+        watch_steps=1, watch_every=1000)  # unwatched steps: clip_grad_norm_'s norms still reach it
     # step 0 takes detailed statistics at the unscale, the others reuse clip_grad_norm_'s norms
-    with amp_runtime.guard(policy="record") as g:
+    with amp_runtime.guard(policy="record", thresholds=limits) as g:
         g.step_listeners.append(lambda step, record: recorded.append(record["grad_norm"]))
         for _ in range(6):
             with torch.autocast("cpu", dtype=torch.float16):
