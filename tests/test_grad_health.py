@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from amp_runtime.monitors.grads import (
-    FP16_FLUSH_LIMIT, GradSample, gradient_stats, judge_gradients, layer_of, layer_stats,
+    FP16_FLUSH_LIMIT, SURVIVES, GradSample, gradient_stats, judge_gradients, layer_of, layer_stats,
     quiet_norm, read_host, read_samples, total_norm,
 )
 from amp_runtime.thresholds import Thresholds
@@ -403,3 +403,16 @@ def test_too_small_loss_scale_reports_the_underflowing_layer_by_name():
     assert event.module == "0" and event.details["parameter"] == "0.weight"
     assert event.details["loss_scale"] == 8.0 and event.step == 0
     assert "zero or flush to zero in fp16 at loss scale 8" in event.message
+
+
+def test_underflow_is_counted_only_for_the_gradients_asked_for():
+    """Detailed steps that are not logged count fp16 underflow for weight matrices only."""
+    torch.manual_seed(0)
+    grads = [torch.randn(4, 4) * 1e-9, torch.randn(4) * 1e-9]
+    scale = torch.tensor(2.0 ** 10)
+    every = gradient_stats(grads, scale)
+    matrices = gradient_stats(grads, scale, counted=[True, False])
+    assert not every.isnan().any()
+    assert torch.equal(every[:SURVIVES], matrices[:SURVIVES])
+    assert torch.equal(every[SURVIVES:, 0], matrices[SURVIVES:, 0])
+    assert matrices[SURVIVES:, 1].isnan().all()

@@ -42,9 +42,9 @@ FP16_FLUSH_LIMIT = FP16_TINY_SUBNORMAL / 2
 #: float16's smallest normal number (2**-14); below it values lose precision, then flush.
 FP16_MIN_NORMAL = 2.0 ** -14
 
-#: Steps between detailed statistics (max |g|, zeros, fp16 underflow: AMP106), which take a few
-#: more passes over the gradients; steps logged to metrics.jsonl are always detailed.
-DETAIL_EVERY = 16
+#: Steps between detailed statistics (max |g|, zeros, fp16 underflow: AMP106), which take about
+#: ten more passes over the gradients; steps logged to metrics.jsonl are always detailed.
+DETAIL_EVERY = 32
 
 #: How many layer names a message lists before "…".
 _NAMES_IN_MESSAGE = 5
@@ -60,15 +60,16 @@ NORM, MAX, NONZERO, SURVIVES, NORMAL = range(5)
 
 
 def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Tensor] = None,
-                   detailed: bool = True) -> torch.Tensor:
+                   detailed: bool = True,
+                   counted: Optional[Sequence[bool]] = None) -> torch.Tensor:
     """Per-gradient statistics of same-device ``grads`` as one float32 tensor, without a host sync.
 
     Row ``NORM``: the L2 norm (NaN/Inf propagate), one fused pass. When ``detailed``, also ``MAX``
     (max |g|), ``NONZERO`` (number of nonzero elements), and given ``loss_scale`` — the factor the
     gradients would be multiplied by in an fp16 backward, a device tensor — ``SURVIVES`` and
     ``NORMAL``: the number of elements whose value times ``loss_scale`` survives the cast to
-    float16, and is a normal (not subnormal) float16 (NaN without a scale). Shape ``(5, n)`` when
-    detailed, else ``(1, n)``.
+    float16, and is a normal (not subnormal) float16 (NaN without a scale, and for the gradients
+    ``counted`` marks False). Shape ``(5, n)`` when detailed, else ``(1, n)``.
     """
     grads = list(grads)
     with torch.no_grad():
@@ -76,19 +77,25 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
         if detailed:
             columns += torch._foreach_norm(grads, math.inf, dtype=torch.float32)
             columns += torch._foreach_norm(grads, 0, dtype=torch.float32)
-            if loss_scale is None:
-                columns += [torch.full((), math.nan, device=grads[0].device)] * (2 * len(grads))
+            nan = torch.full((), math.nan, device=grads[0].device)
+            if counted is None:
+                counted = [loss_scale is not None] * len(grads)
+            chosen = [g for g, count in zip(grads, counted) if count]
+            if not chosen:
+                columns += [nan] * (2 * len(grads))
             else:
                 # |g * scale| - limit > 0 <=> the scaled value is above limit; L0 norms count them
                 scale = loss_scale.to(grads[0].device)
-                magnitude = torch._foreach_mul([g.float() for g in grads], scale)
+                magnitude = torch._foreach_mul([g.float() for g in chosen], scale)
                 torch._foreach_abs_(magnitude)
                 normal = torch._foreach_sub(magnitude, FP16_MIN_NORMAL)
                 torch._foreach_clamp_min_(normal, 0.0)
                 torch._foreach_sub_(magnitude, FP16_FLUSH_LIMIT)
                 torch._foreach_clamp_min_(magnitude, 0.0)
-                columns += torch._foreach_norm(magnitude, 0, dtype=torch.float32)
-                columns += torch._foreach_norm(normal, 0, dtype=torch.float32)
+                for counts in (torch._foreach_norm(magnitude, 0, dtype=torch.float32),
+                               torch._foreach_norm(normal, 0, dtype=torch.float32)):
+                    found = iter(counts)
+                    columns += [next(found) if count else nan for count in counted]
         return torch.stack(columns).reshape(-1, len(grads))
 
 
@@ -359,7 +366,8 @@ class GradHealth(Monitor):
             grads = list(map(_GRAD, params))
         if not grads:
             return
-        detailed = self._detailed_step()
+        logged = self._logged_step()
+        detailed = logged or self._detailed_step()
         groups = [(params, grads)]
         if len(set(map(_DEVICE, grads))) > 1:
             by_device: Dict[torch.device, Tuple[list, list]] = {}
@@ -377,7 +385,10 @@ class GradHealth(Monitor):
                     flush_factor = torch.ones((), device=grads[0].device)
             with torch._C.DisableTorchFunction():
                 if detailed:
-                    stats = gradient_stats(grads, flush_factor)
+                    # AMP106 judges weight matrices only; logged steps count every layer
+                    counted = None if logged or flush_factor is None else [
+                        g.dim() >= 2 for g in grads]
+                    stats = gradient_stats(grads, flush_factor, counted=counted)
                 else:
                     stats = self._norms_reusing_clip(grads)
             self.pending.append(GradSample(
@@ -438,12 +449,14 @@ class GradHealth(Monitor):
         self._sample(params, scaled_by=scaled_by, loss_scale=loss_scale)
         self.sampled_optimizers.add(id(optimizer))
 
+    def _logged_step(self) -> bool:
+        """Whether this step's per-layer statistics go to metrics.jsonl."""
+        guard = self.guard
+        return guard.log_dir is not None and guard.step_index % guard.thresholds.metrics_every == 0
+
     def _detailed_step(self) -> bool:
         """Whether this step also counts zeros and fp16 underflow (AMP106, metrics.jsonl layers)."""
-        guard, limits = self.guard, self.guard.thresholds
-        step = guard.step_index
-        logged = guard.log_dir is not None and step % limits.metrics_every == 0
-        return logged or step % DETAIL_EVERY == 0
+        return self._logged_step() or self.guard.step_index % DETAIL_EVERY == 0
 
     # -- judgement ---------------------------------------------------------------------
 
