@@ -65,17 +65,17 @@ class SharedPatch:
                         setattr(owner, name, original)
 
 
-#: ``runner(original, args, kwargs)`` per thread: the innermost active guard's, or None.
+#: Per thread, ``.stack``: the active guards' ``runner(original, args, kwargs)``, innermost last.
 _runners = threading.local()
 
 
 def _observed(original: Callable) -> Callable:
     @functools.wraps(original)
     def observed(*args, **kwargs):
-        runner = getattr(_runners, "stack", None)
-        if not runner:
+        stack = getattr(_runners, "stack", None)
+        if not stack:  # another thread, or no guard
             return original(*args, **kwargs)
-        return runner[-1](original, args, kwargs)
+        return stack[-1](original, args, kwargs)
 
     return observed
 

@@ -8,8 +8,9 @@ host-bound shape of the guard issue, the proxy for a GPU where kernels are fast 
 time per op is what shows) and "tiny" (d=32, about 4 ms: harsher still). Precisions: fp32,
 and bf16/fp16 autocast (fp16 with a GradScaler). Variants are alternated within one process
 so that drift hits all of them alike; the table shows the median CPU time per step in steady
-state and its ratio to the unguarded step, and the same ratio over the warm-up steps (a
-guard's start-up). One intra-op thread keeps the numbers stable.
+state, the median of its ratio to the unguarded step of the same repetition, and the same
+ratio over the warm-up steps (a guard's start-up). One intra-op thread keeps the numbers
+steadier; run-to-run noise on a shared 2-core VM is still a few percent.
 
 What dominates (profiled), in the host-bound shapes:
 * Watched steps (the first 8, then one in 16): the TorchFunctionMode's dispatch of every
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -131,10 +133,13 @@ SHAPES = {
 #: AMP010 probes the autograd graph of the first backward passes; that start-up is shown in
 #: its own column, the per-step figure is the steady state of a long run.
 WARMUP_STEPS = 10
-#: Timed steps per variant and repetition: multiples of 32, so that the timed steps hold the
-#: steady-state shares of watched steps (one in Thresholds.watch_every=16) and of detailed
-#: gradient statistics (one step in 32); the short steps get more, for steadier medians.
-TIMED_STEPS = {"compute": 32, "host": 64, "tiny": 64}
+#: Timed steps per variant and repetition: 32, so that the timed steps hold the steady-state
+#: shares of watched steps (one in Thresholds.watch_every=16) and of detailed gradient
+#: statistics (one step in 32).
+TIMED_STEPS = 32
+#: Repetitions per shape: the short steps get more, as this machine's speed drifts by a few
+#: percent within a second and medians of more samples are steadier.
+REPETITIONS = {"compute": 15, "host": 40, "tiny": 40}
 
 
 class Trainer:
@@ -176,9 +181,18 @@ VARIANTS = {
 }
 
 
+@dataclass
+class Result:
+    seconds: float  # median CPU seconds per step in steady state
+    ratio: float  # median over repetitions of (this variant / no guard) in steady state
+    startup_ratio: float  # the same over the warm-up steps
+    events: int
+
+
 def measure(trainer: Trainer, repetitions: int, steps: int) -> dict:
-    """Per variant: median CPU seconds per step in steady state and over the warm-up steps, and
-    the number of events; variants alternated per repetition."""
+    """One Result per variant. The variants run one after the other in each repetition (in a
+    rotating order), and each ratio compares runs of the same repetition, a second or so apart:
+    drift of the machine's speed over the run cancels out."""
     names = list(VARIANTS)
     steady = {name: [] for name in names}
     startup = {name: [] for name in names}
@@ -189,6 +203,7 @@ def measure(trainer: Trainer, repetitions: int, steps: int) -> dict:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # detect_anomaly announces itself
                 context = VARIANTS[name]()
+            gc.collect()  # every variant starts with the same garbage to collect: none
             start = time.process_time()
             with context as guard:
                 for _ in range(WARMUP_STEPS):
@@ -200,8 +215,16 @@ def measure(trainer: Trainer, repetitions: int, steps: int) -> dict:
             startup[name].append((warm - start) / WARMUP_STEPS)
             if isinstance(guard, amp_runtime.Guard):
                 events[name] += len(guard.report)
-    return {name: (statistics.median(steady[name]), statistics.median(startup[name]), events[name])
-            for name in names}
+    baseline, baseline_startup = steady[names[0]], startup[names[0]]
+    return {
+        name: Result(
+            seconds=statistics.median(steady[name]),
+            ratio=statistics.median(a / b for a, b in zip(steady[name], baseline)),
+            startup_ratio=statistics.median(a / b for a, b in zip(startup[name], baseline_startup)),
+            events=events[name],
+        )
+        for name in names
+    }
 
 
 def main(argv=None) -> None:
@@ -210,23 +233,23 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
-    repetitions = 5 if options.quick else 15
     print(f"torch {torch.__version__}, CPU time per step after {WARMUP_STEPS} warm-up steps "
-          f"(first steps: the warm-up), median of {repetitions} alternated runs\n")
+          f"(first steps: the warm-up); medians of alternated runs (compute: 15, host and tiny: "
+          f"40; a third with --quick), ratios taken within each run\n")
     print("| shape | precision | variant | ms/step | × no guard | first steps × no guard "
           "| events |")
     print("|---|---|---|---|---|---|---|")
     for shape_name in options.shapes:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             used = SHAPES[shape_name][dtype]
-            results = measure(Trainer(used, dtype), repetitions, TIMED_STEPS[shape_name])
-            baseline, baseline_startup, _ = results["no guard"]
-            for name, (seconds, startup, events) in results.items():
+            repetitions = REPETITIONS[shape_name] // (3 if options.quick else 1)
+            results = measure(Trainer(used, dtype), repetitions, TIMED_STEPS)
+            for name, result in results.items():
                 label = f"{shape_name} (d={used.width}, {used.layers}x{used.length}x{used.batch})"
                 precision = str(dtype).replace("torch.", "")
-                shown_events = events if name.startswith("trace") else "-"
-                print(f"| {label} | {precision} | {name} | {seconds * 1e3:.2f} "
-                      f"| {seconds / baseline:.3f} | {startup / baseline_startup:.2f} "
+                shown_events = result.events if name.startswith("trace") else "-"
+                print(f"| {label} | {precision} | {name} | {result.seconds * 1e3:.2f} "
+                      f"| {result.ratio:.3f} | {result.startup_ratio:.2f} "
                       f"| {shown_events} |", flush=True)
 
 

@@ -355,7 +355,7 @@ class ScalerWatch(Monitor):
     def _updated(self, func, args, kwargs, out):
         scaler, _, _ = scaler_call()
         if scaler is not None:
-            self._scale_updated(scaler, self._scale_before, args[0], args[2])
+            self._scale_updated(scaler, *_read_update(self._scale_before, args[0], args[2]))
 
     # -- GradScaler's methods, run unobserved -------------------------------------------
 
@@ -387,23 +387,27 @@ class ScalerWatch(Monitor):
         if not found:  # no scale update kernel runs
             return original(scaler, new_scale)
         scale = scaler._scale
+        if scale.device.type == "cpu":  # reading costs nothing here: no copies, no stacking
+            used, inf = scale.item(), sum(t.item() for t in found)
+            original(scaler, new_scale)
+            self._scale_updated(scaler, used, scale.item(), inf)
+            return
         before = scale.clone()
         # as update() combines them (it adds into the first one in place: sum before)
         found_inf = found[0] if len(found) == 1 else torch.stack(
             [t.to(scale.device) for t in found]).sum()
         original(scaler, new_scale)
-        self._scale_updated(scaler, before, scale, found_inf)
+        self._scale_updated(scaler, *_read_update(before, scale, found_inf))
 
     def _checked(self, scaler, optimizer, still_scaled: bool, grads) -> None:
         self.state_of(scaler).optimizers.add(optimizer)
         for listener in self.check_listeners:
             listener(scaler, optimizer, still_scaled, grads)
 
-    def _scale_updated(self, scaler, before, scale, found_inf) -> None:
+    def _scale_updated(self, scaler, used: float, new: float, inf: float) -> None:
+        """``scaler`` updated its scale from ``used`` to ``new``; ``inf`` > 0: it skipped."""
         state = self.state_of(scaler)
         state.scaled_backward = False
-        values = [before.float(), scale.float(), found_inf.float().to(scale.device)]
-        used, new, inf = torch.stack(values).tolist()
         skipped = inf > 0
         self._step_record = {"loss_scale": used, "skipped": skipped}
         for code, kwargs_ in state.history.observe(new, skipped):
@@ -429,6 +433,14 @@ class ScalerWatch(Monitor):
         self.update_listeners.clear()
         self.states.clear()
         self._last_root = None
+
+
+def _read_update(before: torch.Tensor, scale: torch.Tensor,
+                 found_inf: torch.Tensor) -> Tuple[float, float, float]:
+    """The scale used, the new scale and the found-inf count, with one host read."""
+    values = [before.float(), scale.float(), found_inf.float().to(scale.device)]
+    used, new, inf = torch.stack(values).tolist()
+    return used, new, inf
 
 
 def monitors(guard):
