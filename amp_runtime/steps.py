@@ -26,7 +26,7 @@ from torch.optim.optimizer import (
 )
 
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, inside_scaler_step, watch_of
+from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, watch_of
 
 
 class StepDetector(Monitor):
@@ -58,12 +58,6 @@ class StepDetector(Monitor):
         own_thread = threading.get_ident() == guard._thread
         return own_thread and not guard.manual_steps and not guard.suspended
 
-    def _scaler_stepping(self) -> bool:
-        """Whether GradScaler.step runs this optimizer step: known without a frame walk for the
-        scalers the watch runs, and in loops without a scaler."""
-        watch = self._watch
-        return watch.stepping > 0 or bool(watch.states) and inside_scaler_step()
-
     def _end_step(self, by_optimizer: bool = False) -> None:
         self._stepped.clear()
         self._backward_since_step = False
@@ -78,7 +72,7 @@ class StepDetector(Monitor):
             self._end_step()
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
-        if not self._automatic() or self._scaler_stepping():  # scaler.update() ends that step
+        if not self._automatic() or self._watch.scaler_stepping():  # scaler.update() ends that step
             return
         if id(optimizer) in self._stepped:  # a new iteration began before the cycle completed
             self._end_step(by_optimizer=True)
@@ -88,7 +82,7 @@ class StepDetector(Monitor):
             self._joined_ended_step = self._ended_by_optimizer and not self._backward_since_step
 
     def _optimizer_step_ends(self, optimizer, args, kwargs):
-        if not self._automatic() or self._scaler_stepping():
+        if not self._automatic() or self._watch.scaler_stepping():
             return
         self._stepped.add(id(optimizer))
         if self._last_in_cycle is None or self._last_in_cycle() is not optimizer:

@@ -101,15 +101,23 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
 
 @dataclass
 class GradSample:
-    """Device-side statistics of one set of gradients, waiting for the step's single host read."""
+    """Statistics of one set of gradients: device-side ``stats`` waiting for the step's single host
+    read, or their ``values`` already read (CPU gradients' norms, where reading costs nothing)."""
 
     names: List[str]
     shapes: List[torch.Size]
-    stats: torch.Tensor
+    stats: Optional[torch.Tensor]
     #: The gradients were still multiplied by this loss scale when sampled (None: unscaled).
     scaled_by: Optional[torch.Tensor] = None
     #: The loss scale in effect (AMP106 reference), None when no scaler is involved.
     loss_scale: Optional[torch.Tensor] = None
+    #: ``stats`` flattened, when already read.
+    values: Optional[List[float]] = None
+
+    @property
+    def rows(self) -> int:
+        """How many statistics per gradient: 1 (norms only) or 5 (detailed)."""
+        return self.stats.shape[0] if self.values is None else len(self.values) // len(self.names)
 
 
 @dataclass(slots=True)
@@ -151,10 +159,21 @@ def read_host(samples: Sequence[GradSample]) -> Tuple[List[float], List[float], 
     # the scale tensors are usually one and the same (the scaler's): read each once
     scale_tensors = {id(t): t for sample in samples
                      for t in (sample.scaled_by, sample.loss_scale) if t is not None}
-    flat = [s.stats.flatten().cpu() for s in samples]
-    flat += [t.detach().float().reshape(1).cpu() for t in scale_tensors.values()]
-    host = torch.cat(flat).tolist()
-    read = dict(zip(scale_tensors, host[len(host) - len(scale_tensors):]))
+    unread = [s.stats.flatten() for s in samples if s.values is None]
+    unread += [t.detach().float().reshape(1) for t in scale_tensors.values()]
+    if all(t.device.type == "cpu" for t in unread):
+        values = iter([value for t in unread for value in t.tolist()])
+    else:
+        values = iter(torch.cat([t.cpu() for t in unread]).tolist())
+    host = []
+    for sample in samples:
+        if sample.values is not None:
+            host += sample.values
+        else:
+            host += itertools.islice(values, sample.stats.numel())
+    scale_values = list(values)
+    host += scale_values
+    read = dict(zip(scale_tensors, scale_values))
     factors = [1.0 if s.scaled_by is None else read[id(s.scaled_by)] for s in samples]
     scales = [math.nan if s.loss_scale is None else read[id(s.loss_scale)] for s in samples]
     return host, factors, scales
@@ -167,7 +186,7 @@ def layer_stats(samples: Sequence[GradSample], host: List[float], factors: List[
     offset = 0
     for sample, factor, scale in zip(samples, factors, scales):
         n = len(sample.names)
-        rows = [host[offset + r * n: offset + (r + 1) * n] for r in range(sample.stats.shape[0])]
+        rows = [host[offset + r * n: offset + (r + 1) * n] for r in range(sample.rows)]
         offset += len(rows) * n
         for i, (name, shape) in enumerate(zip(sample.names, sample.shapes)):
             numel = shape.numel()
@@ -205,8 +224,8 @@ def quiet_norm(samples: Sequence[GradSample], host: List[float], factors: List[f
     norms: List[float] = []
     offset = 0
     for sample, factor in zip(samples, factors):
-        rows, count = sample.stats.shape
-        if rows > 1:  # a detailed step
+        count = len(sample.names)
+        if sample.rows > 1:  # a detailed step
             return None
         values = host[offset:offset + count]
         norms += values if factor == 1.0 else [value / factor for value in values]
@@ -388,26 +407,31 @@ class GradHealth(Monitor):
                     # AMP106 judges weight matrices only; logged steps count every layer
                     counted = None if logged or flush_factor is None else [
                         g.dim() >= 2 for g in grads]
-                    stats = gradient_stats(grads, flush_factor, counted=counted)
+                    stats, values = gradient_stats(grads, flush_factor, counted=counted), None
                 else:
-                    stats = self._norms_reusing_clip(grads)
+                    norms = self._norms_reusing_clip(grads)
+                    if grads[0].device.type == "cpu":  # read now: no stacking, no copy
+                        stats, values = None, [norm.item() for norm in norms]
+                    else:
+                        stats, values = torch.stack(norms).reshape(1, -1), None
             self.pending.append(GradSample(
                 names=self.names.names(device_params),
                 shapes=list(map(_SHAPE, grads)),
                 stats=stats,
                 scaled_by=scaled_by,
                 loss_scale=loss_scale,
+                values=values,
             ))
 
-    def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """The NORM row: the norms clip_grad_norm_ already computed, computing only the rest."""
+    def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The L2 norms (float32): those clip_grad_norm_ already computed, and the rest."""
         if not self.clip_norms:
-            return gradient_stats(grads, detailed=False)
+            with torch.no_grad():
+                return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
         known = [self.clip_norms.get(id(g)) for g in grads]
         missing = [g for g, norm in zip(grads, known) if norm is None]
         computed = iter(torch._foreach_norm(missing, 2, dtype=torch.float32) if missing else ())
-        norms = [norm.float() if norm is not None else next(computed) for norm in known]
-        return torch.stack(norms).reshape(1, -1)
+        return [norm.float() if norm is not None else next(computed) for norm in known]
 
     def _unscaled(self, scaler, optimizer, still_scaled, grads):
         """GradScaler checked (usually unscaled) an optimizer's gradients (``grads``, or all)."""

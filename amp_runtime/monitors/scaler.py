@@ -323,6 +323,11 @@ class ScalerWatch(Monitor):
         self._last_root = (weakref.ref(root), found)
         return found
 
+    def scaler_stepping(self) -> bool:
+        """Whether an enabled ``GradScaler.step`` runs the optimizer step in progress: known
+        without a frame walk for the scalers this watch runs, and in loops without a scaler."""
+        return self.stepping > 0 or bool(self.states) and inside_scaler_step()
+
     def scaled_pending(self) -> List[ScalerState]:
         """Scalers that scaled a backward in this step and have not been updated since."""
         return [s for s in self.states.values() if s.scaled_backward and s.scaler is not None]

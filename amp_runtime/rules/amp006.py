@@ -21,9 +21,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from amp_runtime.monitors import Monitor, OpHandler
-from amp_runtime.monitors.scaler import (
-    BACKWARD_FUNCTIONS, backward_root, inside_scaler_step, watch_of,
-)
+from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, backward_root, watch_of
 
 
 class StepBypassesScaler(Monitor):
@@ -62,7 +60,7 @@ class StepBypassesScaler(Monitor):
         if guard.suspended or threading.get_ident() != guard._thread:
             return
         pending = self.watch.scaled_pending()
-        if pending and inside_scaler_step():
+        if pending and self.watch.scaler_stepping():
             self._remember_grads(optimizer)
             return
         name = type(optimizer).__name__
