@@ -17,10 +17,10 @@ What dominates (profiled), in the host-bound shapes:
   torch call, ~1 us for a C function and ~10 us for a Python-level one (F.layer_norm,
   F.softmax, Tensor.split, ...), +10-20 % on such a step; a bare pass-through mode costs
   about as much. Spread over 16 steps it is ~1 %.
-* Every step: one torch._foreach_norm over all gradients plus one host read (~50-90 us on
-  this CPU, where _foreach_norm loops over the tensors; one fused kernel on CUDA), the
-  handlers at backward (entry_points.py), the optimizer hooks, GradScaler bookkeeping and
-  the step end: ~0.2-0.3 ms of Python in all, which is what the "tiny" rows show.
+* Every step: one torch._foreach_norm over all gradients (~50-100 us in these steps, as
+  _foreach_norm loops over the tensors on a CPU; one fused kernel on CUDA) and the Python of
+  the handlers at backward (entry_points.py), the optimizer hooks, GradScaler bookkeeping
+  and the step end: ~0.2 ms a step in all, which is what the "tiny" rows show.
 * Every 32nd step the detailed gradient statistics (max, zeros, and fp16 underflow at the
   loss scale for the weight matrices: up to ~10 foreach passes, ~0.3-0.8 ms here); the
   "without grad stats" rows drop all gradient checks.
