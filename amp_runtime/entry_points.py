@@ -65,17 +65,18 @@ class SharedPatch:
                         setattr(owner, name, original)
 
 
-#: Per thread, ``.stack``: the active guards' ``runner(original, args, kwargs)``, innermost last.
-_runners = threading.local()
+#: The guard that runs the calling thread's calls of the entry points (its innermost active
+#: guard), or None: ``guard.current_guard``, handed over by the first observer.
+_current_guard: Callable[[], Any] = lambda: None
 
 
 def _observed(original: Callable) -> Callable:
     @functools.wraps(original)
     def observed(*args, **kwargs):
-        stack = getattr(_runners, "stack", None)
-        if not stack:  # another thread, or no guard
+        guard = _current_guard()
+        if guard is None:  # another thread, or no guard
             return original(*args, **kwargs)
-        return stack[-1](original, args, kwargs)
+        return guard.run_entry_point(original, args, kwargs)
 
     return observed
 
@@ -86,17 +87,13 @@ _PATCH = SharedPatch(
 )
 
 
-def observe_entry_points(runner: Callable[[Callable, tuple, dict], Any]) -> None:
-    """Route this thread's calls of the entry points to ``runner`` (innermost guard last)."""
-    stack = getattr(_runners, "stack", None)
-    if stack is None:
-        stack = _runners.stack = []
-    stack.append(runner)
+def observe_entry_points(current_guard: Callable[[], Any]) -> None:
+    """Replace the entry points (for the first observer) and route each call to
+    ``current_guard().run_entry_point``; undone by ``stop_observing_entry_points``."""
+    global _current_guard
+    _current_guard = current_guard
     _PATCH.acquire()
 
 
-def stop_observing_entry_points(runner: Callable) -> None:
-    stack: list = getattr(_runners, "stack", [])
-    if runner in stack:
-        stack.remove(runner)
-        _PATCH.release()
+def stop_observing_entry_points() -> None:
+    _PATCH.release()

@@ -298,7 +298,7 @@ class Guard:
         )
         self._mode.set_tracing(self._tracing)
         self._sync_mode()
-        observe_entry_points(self._run_entry_point)
+        observe_entry_points(current_guard)
         self._observing_entry_points = True
         self._optimizer_hooks.append(register_optimizer_step_post_hook(self._optimizer_step_ends))
 
@@ -314,7 +314,7 @@ class Guard:
                 del optimizer.zero_grad
         self._unobserved_optimizers = []
         if self._observing_entry_points:
-            stop_observing_entry_points(self._run_entry_point)
+            stop_observing_entry_points()
             self._observing_entry_points = False
         if self._mode is not None:
             if self._mode_pushed and not self._mode.pop():
@@ -368,7 +368,7 @@ class Guard:
             # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
             self._mode_pushed = False
 
-    def _run_entry_point(self, original, args, kwargs):
+    def run_entry_point(self, original, args, kwargs):
         """An entry point (``entry_points.py``) was called in this guard's thread: run it
         through the mode's handlers, with the mode off, as the mode runs a handled call."""
         mode = self._mode
