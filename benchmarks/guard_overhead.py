@@ -108,14 +108,15 @@ class Shape:
     vocab: int = 256
 
 
+_COMPUTE = Shape("compute", width=128, heads=4, layers=2, length=64, batch=8)
 _HOST = Shape("host", width=32, heads=2, layers=2, length=64, batch=8)
 _TINY = Shape("tiny", width=32, heads=2, layers=2, length=32, batch=8)
 #: Per shape, the model size for each precision. fp16 matmul is ~10x slower than fp32 and
 #: bf16 on this CPU: smaller fp16 sizes keep each shape's step time in the same range.
 SHAPES = {
     "compute": {
-        torch.float32: Shape("compute", width=128, heads=4, layers=2, length=64, batch=8),
-        torch.bfloat16: Shape("compute", width=128, heads=4, layers=2, length=64, batch=8),
+        torch.float32: _COMPUTE,
+        torch.bfloat16: _COMPUTE,
         torch.float16: Shape("compute", width=128, heads=4, layers=1, length=32, batch=4),
     },
     "host": {

@@ -59,6 +59,12 @@ _PARAMS = operator.itemgetter("params")
 NORM, MAX, NONZERO, SURVIVES, NORMAL = range(5)
 
 
+def l2_norms(grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each gradient's L2 norm as a 0-dim float32 tensor, one fused pass (NaN/Inf propagate)."""
+    with torch.no_grad():
+        return list(torch._foreach_norm(list(grads), 2, dtype=torch.float32))
+
+
 def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Tensor] = None,
                    detailed: bool = True,
                    counted: Optional[Sequence[bool]] = None) -> torch.Tensor:
@@ -73,7 +79,7 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
     """
     grads = list(grads)
     with torch.no_grad():
-        columns = list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        columns = l2_norms(grads)
         if detailed:
             columns += torch._foreach_norm(grads, math.inf, dtype=torch.float32)
             columns += torch._foreach_norm(grads, 0, dtype=torch.float32)
@@ -426,11 +432,10 @@ class GradHealth(Monitor):
     def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """The L2 norms (float32): those clip_grad_norm_ already computed, and the rest."""
         if not self.clip_norms:
-            with torch.no_grad():
-                return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+            return l2_norms(grads)
         known = [self.clip_norms.get(id(g)) for g in grads]
         missing = [g for g, norm in zip(grads, known) if norm is None]
-        computed = iter(torch._foreach_norm(missing, 2, dtype=torch.float32) if missing else ())
+        computed = iter(l2_norms(missing) if missing else ())
         return [norm.float() if norm is not None else next(computed) for norm in known]
 
     def _unscaled(self, scaler, optimizer, still_scaled, grads):
