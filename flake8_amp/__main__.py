@@ -1,0 +1,38 @@
+"""``python -m flake8_amp COMMAND``: the linter's own commands.
+
+Linting itself runs through flake8 (``flake8 --select=AMP``); this entry point holds what
+flake8 has no place for: ``fix``, which rewrites reported findings (see ``fix --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from flake8_amp import __version__
+from flake8_amp.fix import command as fix_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flake8_amp",
+        description="flake8-amp's commands. Lint with flake8: flake8 --select=AMP PATH...",
+    )
+    parser.add_argument("--version", action="version", version=f"flake8-amp {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    fix_command.add_parser(commands)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help(sys.stderr)
+        return fix_command.USAGE_ERROR
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
