@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import os
 import sys
 import tempfile
@@ -94,9 +93,11 @@ def _codes(text: str) -> Tuple[str, ...]:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    if importlib.util.find_spec("libcst") is None:
+    try:
+        import libcst  # noqa: F401  (the fixers' only dependency beyond the linter's)
+    except ImportError as error:
         print(
-            "flake8-amp fix needs libcst, which is not installed; install it with:\n"
+            f"flake8-amp fix needs libcst, which cannot be imported ({error}); install it with:\n"
             '    pip install "flake8-amp[fix]"     (or: pip install libcst)',
             file=err,
         )

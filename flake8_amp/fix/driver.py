@@ -111,7 +111,7 @@ def fix_file(
     if not plan.fixed:
         return result
     fixed = view.module.visit(_Apply(plan.edits, plan.insertions)).bytes
-    problem = _check(fixed, filename, options, findings, plan.fixed)
+    problem = check_fixed(fixed, filename, options, findings, plan.fixed)
     if problem is not None:
         withdrawn = f"{WITHDRAWN}: {problem} (a flake8-amp bug: please report it)"
         result.left_alone = sorted(
@@ -129,7 +129,7 @@ def _position(finding: Finding) -> Tuple[int, int, str]:
     return finding.line, finding.col, finding.code
 
 
-def _check(
+def check_fixed(
     fixed: bytes, filename: str, options: Options, before: List[Finding], done: List[Finding]
 ) -> Optional[str]:
     """What is wrong with the fixed content, or None: it compiles, and the linter reports
