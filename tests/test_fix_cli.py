@@ -221,7 +221,7 @@ def test_unreadable_files_are_reported_and_skipped_and_the_others_fixed(tmp_path
 
 
 def test_encodings_byte_order_marks_and_line_endings_are_kept(tmp_path):
-    latin = "# -*- coding: latin-1 -*-\nimport torch\n# café\nscaler = torch.cuda.amp.GradScaler()\n"
+    latin = "# -*- coding: latin-1 -*-\nimport torch\n# café\n" + DEPRECATED.split("\n", 2)[2]
     (tmp_path / "latin.py").write_bytes(latin.encode("latin-1"))
     bom = "\ufeffimport torch\r\nscaler = torch.cuda.amp.GradScaler()\r\n"
     (tmp_path / "bom.py").write_bytes(bom.encode("utf-8"))
@@ -273,7 +273,8 @@ def test_a_configuration_the_plugin_rejects_is_a_usage_error(tmp_path):
 def test_fix_over_every_snippet_and_example_is_safe_and_idempotent(tmp_path, flake8):
     """Whatever shapes the snippet files hold (they grow with the rules), fix never crashes,
     never withdraws a fix, leaves compiling files, and a second run changes nothing."""
-    for source in [*(ROOT / "tests" / "snippets").glob("amp*.py"), *(ROOT / "examples").glob("*.py")]:
+    snippets = (ROOT / "tests" / "snippets").glob("amp*.py")
+    for source in [*snippets, *(ROOT / "examples").glob("*.py")]:
         shutil.copy(source, tmp_path / source.name)
     first = run_fix("fix", "--write", ".", cwd=tmp_path)
     assert first.returncode == 1, first.stderr

@@ -47,7 +47,8 @@ def test_the_fixer_knows_torch_s_signatures():
     assert new_scaler[0] == "device"  # the old positional arguments follow it, in order
     assert new_scaler[1:] == parameters(torch.cuda.amp.GradScaler.__init__)
     for new in (torch.amp.custom_fwd, torch.amp.custom_bwd):
-        assert inspect.signature(new).parameters["device_type"].kind is inspect.Parameter.KEYWORD_ONLY
+        device_type = inspect.signature(new).parameters["device_type"]
+        assert device_type.kind is inspect.Parameter.KEYWORD_ONLY
     assert FIXABLE == ("AMP005", "AMP007", "AMP009")
 
 
