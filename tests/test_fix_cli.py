@@ -259,6 +259,19 @@ def test_amp_options_come_from_the_flake8_configuration(tmp_path):
     assert "torch.finfo(scores.dtype).min" in path.read_text(encoding="utf-8")
 
 
+def test_configured_ignores_and_per_file_ignores_are_respected(tmp_path):
+    """What flake8 would not report, fix does not touch."""
+    head = write(tmp_path / "head.py", TWO_CODES)
+    legacy = write(tmp_path / "legacy" / "old.py", DEPRECATED)
+    write(tmp_path / "setup.cfg",
+          "[flake8]\nextend-ignore = AMP007\nper-file-ignores =\n    legacy/*.py: AMP009\n")
+    result = run_fix("fix", "--write", ".", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert legacy.read_text(encoding="utf-8") == DEPRECATED
+    text = head.read_text(encoding="utf-8")
+    assert 'torch.amp.autocast("cuda")' in text and "-1e9" in text
+
+
 def test_a_configuration_the_plugin_rejects_is_a_usage_error(tmp_path):
     write(tmp_path / "masked.py", REGION_FILL)
     write(tmp_path / "setup.cfg", "[flake8]\namp-autocast-functions = 1bad\n")

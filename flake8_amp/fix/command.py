@@ -26,11 +26,11 @@ Rewrite the mechanical AMP findings that flake8-amp reports, where the fix is ce
   AMP007  -1e9-style fill literals -> torch.finfo(<tensor>.dtype).min / .max
   AMP009  torch.cuda.amp / torch.cpu.amp -> torch.amp, with the device argument
 
-Shows a unified diff; --write applies it. Only findings the linter reports are touched
-(`# noqa` is respected; --amp-* options come from the flake8 configuration of the
-current directory); every other finding is left as it is (-v says why). Comments and
-formatting are kept; a fixed file compiles and lints clean for what was fixed, and a
-second run changes nothing. Needs libcst: pip install "flake8-amp[fix]".
+Shows a unified diff; --write applies it. Only what flake8 would report is touched: the
+flake8 configuration of the current directory applies (--amp-* options, ignore lists,
+per-file-ignores) and so does `# noqa`; every other finding is left as it is (-v says
+why). Comments and formatting are kept; a fixed file compiles and lints clean for what
+was fixed, and a second run changes nothing. Needs libcst: pip install "flake8-amp[fix]".
 """
 
 EPILOG = """\
@@ -106,8 +106,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     if missing:
         print(f"flake8-amp fix: no such file or directory: {', '.join(missing)}", file=err)
         return USAGE_ERROR
+    from flake8_amp.fix.driver import Configuration
+
     try:
-        options, flake8_options = _lint_configuration()
+        config = Configuration.load(args.select)
     except Exception as error:  # flake8 configuration errors carry their own message
         print(f"flake8-amp fix: the flake8 configuration was rejected: {error}", file=err)
         return USAGE_ERROR
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     select = frozenset(args.select)
     tally: Counter = Counter()
     for path in python_files(args.paths):
-        status, fixed = _one_file(path, args, select, options, flake8_options, out, err)
+        status, fixed = _one_file(path, args, select, config, out, err)
         tally[status] += 1
         tally["findings"] += fixed
     fixed_files = tally[FIXES]
@@ -125,16 +127,14 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     return FIXES if fixed_files else NOTHING_TO_FIX
 
 
-def _one_file(
-    path: Path, args, select, options, flake8_options, out: TextIO, err: TextIO
-) -> Tuple[int, int]:
+def _one_file(path: Path, args, select, config, out: TextIO, err: TextIO) -> Tuple[int, int]:
     """Fix one file as ``args`` say: its outcome as an exit status (FIXES, SKIPPED_FILES or
     NOTHING_TO_FIX) and the number of findings fixed."""
     from flake8_amp.fix.driver import Unreadable, fix_file
 
     name = str(path)
     try:
-        result = fix_file(path.read_bytes(), name, select, options, flake8_options)
+        result = fix_file(path.read_bytes(), name, select, config)
     except (OSError, Unreadable) as error:
         reason = f"cannot read: {error.strerror or error}" if isinstance(error, OSError) else error
         print(f"{name}: skipped, {reason}", file=err)
@@ -167,17 +167,6 @@ def _summary(write: bool, findings: int, files: int, skipped: int, err: TextIO) 
         print("nothing to fix", file=err)
     if skipped:
         print(f"{skipped} file(s) skipped (see above)", file=err)
-
-
-def _lint_configuration():
-    """The plugin's ``--amp-*`` options and flake8's own, from the flake8 configuration
-    files of the current directory, read by flake8 itself."""
-    from flake8.api import legacy
-
-    from flake8_amp.plugin import AmpChecker
-
-    style_guide = legacy.get_style_guide()  # hands the configured options to the plugin
-    return AmpChecker.options, style_guide.options
 
 
 #: Directories never searched: caches and version control, and virtual environments.

@@ -15,7 +15,7 @@ import io
 import tokenize
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
@@ -84,19 +84,49 @@ def lint(source: str, filename: str, options: Options) -> Tuple[Optional[Context
         raise Unreadable(f"flake8-amp could not analyse it: {reason}") from None
 
 
+@dataclass(frozen=True)
+class Configuration:
+    """What the user's flake8 configuration decides for ``fix``: the plugin's ``--amp-*``
+    options, and which findings flake8 would show (select and ignore lists,
+    ``per-file-ignores``, ``# noqa``). The default is flake8's defaults, without files."""
+
+    options: Options = Options()
+    flake8_options: Optional[argparse.Namespace] = None
+    #: flake8's style guides (``StyleGuideManager``): the select/ignore decisions per file.
+    style_guides: Any = None
+
+    @classmethod
+    def load(cls, select: Sequence[str]) -> "Configuration":
+        """Read by flake8 itself from the configuration files of the current directory,
+        with ``select`` in place of the configured selection (as ``flake8 --select``)."""
+        from flake8.api import legacy
+
+        from flake8_amp.plugin import AmpChecker
+
+        style_guide = legacy.get_style_guide(select=list(select))  # hands the plugin its options
+        return cls(AmpChecker.options, style_guide.options, style_guide._application.guide)
+
+    def shown(self, filename: str, source: str) -> Callable[[Finding], bool]:
+        """Whether flake8 would show a finding of this file."""
+        from flake8.style_guide import Decision
+
+        noqa = _noqa_filter(filename, source, self.flake8_options)
+        if self.style_guides is None:
+            return lambda finding: not noqa(finding)
+        decide = self.style_guides.style_guide_for(filename).should_report_error
+        return lambda finding: decide(finding.code) is Decision.Selected and not noqa(finding)
+
+
 def fix_file(
-    data: bytes,
-    filename: str,
-    select: FrozenSet[str],
-    options: Options = Options(),
-    flake8_options: Optional[argparse.Namespace] = None,
+    data: bytes, filename: str, select: FrozenSet[str], config: Configuration = Configuration()
 ) -> FileFix:
     """Fix the selected codes in one file's content; raises :class:`Unreadable`."""
     result = FileFix(original=data)
     source = decode(data)
+    options = config.options
     context, findings = lint(source, filename, options)
-    noqa = _noqa_filter(filename, source, flake8_options)
-    wanted = [f for f in findings if f.code in select and not noqa(f)]
+    shown = config.shown(filename, source)
+    wanted = [f for f in findings if f.code in select and shown(f)]
     if context is None or not wanted:
         return result
     try:
