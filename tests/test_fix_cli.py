@@ -326,3 +326,22 @@ def test_fix_file_leaves_an_unfixable_file_unchanged():
                       frozenset({"AMP009"}))
     assert result.fixed is None and result.applied == []
     assert [f.code for f, _ in result.left_alone] == ["AMP009"]
+
+
+# -- documentation -------------------------------------------------------------------------
+
+
+def test_docs_describe_the_command_its_options_and_exit_codes(tmp_path):
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    section = index.split("### Automatic fixes: `python -m flake8_amp fix`", 1)[1].split("\n## ")[0]
+    help_text = run_fix("fix", "--help", cwd=tmp_path).stdout
+    for option in ("--write", "--select", "-v"):
+        assert option in section and option in help_text
+    for status in ("`0` nothing to fix", "`1` fixes shown", "`2` usage", "`3` some file"):
+        assert status in section
+        assert status.replace("`", "").replace(" ", "  ", 1) in help_text
+    for code in ("AMP005", "AMP007", "AMP009"):
+        assert f"| {code} |" in section
+        page = (ROOT / "docs" / "rules" / f"{code}.md").read_text(encoding="utf-8")
+        assert "python -m flake8_amp fix" in page
+    assert "python -m flake8_amp fix" in (ROOT / "README.md").read_text(encoding="utf-8")
