@@ -7,6 +7,7 @@ comment and space, and rewrites it. A fixer never fixes a node the linter did no
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -96,13 +97,16 @@ class SourceFile:
 
     def astroid_at(self, finding: Finding, kinds: Tuple[type, ...]) -> List[nodes.NodeNG]:
         """The astroid nodes of ``kinds`` that start where ``finding`` points."""
-        return [
-            node
-            for node in walk(self.context.module)
-            if isinstance(node, kinds)
-            and node.lineno == finding.line
-            and node.col_offset == finding.col
-        ]
+        at = self._astroid_starts.get((finding.line, finding.col), ())
+        return [node for node in at if isinstance(node, kinds)]
+
+    @functools.cached_property
+    def _astroid_starts(self) -> Dict[Tuple[int, int], List[nodes.NodeNG]]:
+        starts: Dict[Tuple[int, int], List[nodes.NodeNG]] = {}
+        for node in walk(self.context.module):
+            if node.lineno is not None and node.col_offset is not None:
+                starts.setdefault((node.lineno, node.col_offset), []).append(node)
+        return starts
 
     def cst_for(self, node: nodes.NodeNG, kinds: Tuple[Type[Node], ...]) -> Optional[Node]:
         """The libcst node of ``kinds`` that spans exactly the source of astroid's ``node``
