@@ -7,6 +7,7 @@ flake8 has no place for: ``fix``, which rewrites reported findings (see ``fix --
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -31,7 +32,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help(sys.stderr)
         return fix_command.USAGE_ERROR
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # the reader went away (``| head``): not an error to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return fix_command.FIXES
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

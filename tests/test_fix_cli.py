@@ -182,6 +182,17 @@ def test_without_libcst_fix_says_what_to_install(tmp_path):
     assert run_fix("fix", "--help", cwd=tmp_path, env=env).returncode == 0
 
 
+def test_fix_needs_no_torch(tmp_path):
+    path = write(tmp_path / "train.py", TWO_CODES)
+    env = blocking(tmp_path, "torch")
+    blocked = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True,
+                             text=True, env={**os.environ, **env})
+    assert "torch is blocked in this test" in blocked.stderr
+    result = run_fix("fix", "--write", "train.py", cwd=tmp_path, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "torch.finfo(scores.dtype).min" in path.read_text(encoding="utf-8")
+
+
 def test_the_linter_needs_no_libcst(tmp_path, flake8):
     write(tmp_path / "train.py", DEPRECATED)
     env = blocking(tmp_path, "libcst")

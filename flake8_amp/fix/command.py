@@ -45,7 +45,8 @@ exit status:
   1  fixes shown (or, with --write, applied)
   2  usage error: unknown option or code, a path that does not exist, libcst missing,
      a flake8 configuration the plugin rejects
-  3  some file could not be read, decoded or parsed (reported; the others were processed)
+  3  some file could not be read, decoded, parsed or analysed (reported; the others
+     were processed)
 """
 
 

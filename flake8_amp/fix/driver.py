@@ -133,26 +133,35 @@ def fix_file(
         tree = cst.parse_module(data)
     except Exception as error:  # libcst lags behind the newest syntax now and then
         raise Unreadable(f"libcst cannot parse it: {str(error).splitlines()[0]}") from None
-    view = SourceFile(source, tree, context)
+    try:
+        plan, fixed = _planned(SourceFile(source, tree, context), select, wanted)
+        problem = None
+        if plan.fixed:
+            problem = check_fixed(fixed, filename, options, findings, plan.fixed)
+    except Exception as error:  # a fixer's bug costs this file its fixes, never the run
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        plan, fixed, problem = Plan(fixed=wanted), data, f"internal error, {reason}"
+    left_alone = plan.left_alone
+    if problem is not None:
+        withdrawn = f"{WITHDRAWN}: {problem} (a flake8-amp bug: please report it)"
+        left_alone = left_alone + [(finding, withdrawn) for finding in plan.fixed]
+    elif plan.fixed and fixed != data:
+        result.fixed = fixed
+        result.applied = sorted(plan.fixed, key=_position)
+    result.left_alone = sorted(left_alone, key=lambda item: _position(item[0]))
+    return result
+
+
+def _planned(
+    view: SourceFile, select: FrozenSet[str], wanted: List[Finding]
+) -> Tuple[Plan, bytes]:
+    """Every fixer's plan for the file, and the file's content with the plans carried out."""
     plan = Plan()
     for code in sorted(select & set(FIXERS)):
         plan.extend(FIXERS[code](view, [f for f in wanted if f.code == code]))
-    result.left_alone = sorted(plan.left_alone, key=lambda item: _position(item[0]))
     if not plan.fixed:
-        return result
-    fixed = view.module.visit(_Apply(plan.edits, plan.insertions)).bytes
-    problem = check_fixed(fixed, filename, options, findings, plan.fixed)
-    if problem is not None:
-        withdrawn = f"{WITHDRAWN}: {problem} (a flake8-amp bug: please report it)"
-        result.left_alone = sorted(
-            result.left_alone + [(f, withdrawn) for f in plan.fixed],
-            key=lambda item: _position(item[0]),
-        )
-        return result
-    if fixed != data:
-        result.fixed = fixed
-        result.applied = sorted(plan.fixed, key=_position)
-    return result
+        return plan, view.module.bytes
+    return plan, view.module.visit(_Apply(plan.edits, plan.insertions)).bytes
 
 
 def _position(finding: Finding) -> Tuple[int, int, str]:
