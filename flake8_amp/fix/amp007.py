@@ -56,8 +56,8 @@ def _fix(source: SourceFile, rule: Fp16OverflowLiteral, finding: Finding) -> Uni
     described = _chain_text(source, dtype if dtype is not None else target)
     if described is None:
         return (
-            "the filled tensor is not a name or attribute chain: naming it twice could "
-            "compute it twice"
+            "the filled tensor (or its dtype=) is not a name or attribute chain: naming it "
+            "twice could compute it twice"
         )
     finfo_of = described if dtype is not None else f"{described}.dtype"
     limit = "min" if number < 0 else "max"

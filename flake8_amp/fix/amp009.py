@@ -50,7 +50,7 @@ class Use:
     (None when the use spells ``torch.cuda.amp`` out and is rewritten in place)."""
 
     finding: Finding
-    root: cst.Name
+    root: cst.CSTNode
     edit: Edit
     imported: Optional[cst.CSTNode]
 
@@ -101,7 +101,7 @@ def _use(source: SourceFile, finding: Finding) -> Union[Use, str]:
     else:
         imported = _binding_import(source, written)
         if imported is None:
-            return f"{written_text(source, written)} is reached through another module alias"
+            return f"`{source.code(written)}` is reached through another module alias"
 
     parent = source.parent(written)
     if isinstance(parent, cst.Call) and parent.func is written:
@@ -124,14 +124,14 @@ def _use(source: SourceFile, finding: Finding) -> Union[Use, str]:
             f"only calls and decorators are rewritten; this {api} is passed on or bound "
             "to a name, whose calls may pass positional arguments"
         )
-    root = written
-    while isinstance(root, cst.Attribute):
-        root = root.value
-    return Use(finding, root, edit, imported)
+    return Use(finding, _root(written), edit, imported)
 
 
-def written_text(source: SourceFile, node: cst.CSTNode) -> str:
-    return f"`{source.code(node)}`"
+def _root(expr: cst.CSTNode) -> cst.CSTNode:
+    """``torch`` of ``torch.cuda.amp.autocast``."""
+    while isinstance(expr, cst.Attribute):
+        expr = expr.value
+    return expr
 
 
 def _spelled_out(node: nodes.NodeNG, names) -> bool:
@@ -197,9 +197,9 @@ def _binding_import(source: SourceFile, written: cst.CSTNode) -> Optional[cst.CS
     """The import that binds the first name of ``written`` to an old module or to a name
     in one: the ``from`` statement, or the alias ``torch.cuda.amp as amp`` of an ``import``
     (only that alias is rewritten). None when it is bound otherwise, or not only there."""
-    root = written
-    while isinstance(root, cst.Attribute):
-        root = root.value
+    root = _root(written)
+    if not isinstance(root, cst.Name):
+        return None
     referents = _referents(source, root)
     if len(referents) != 1 or not isinstance(referents[0], Assignment):
         return None
