@@ -495,6 +495,8 @@ table{border-collapse:collapse;width:100%;font-size:12px}
 th,td{border:1px solid #ddd;padding:3px 6px;vertical-align:top;text-align:left}
 th{background:#f5f5f5} td code{white-space:pre-wrap}
 .P0{color:#c62828;font-weight:600} .P1{color:#ef6c00} .P2{color:#1565c0}
+summary{cursor:pointer;border-bottom:1px solid #ddd;margin:28px 0 8px}
+summary h2{display:inline;border:0}
 """
 _NO_MATPLOTLIB = (
     "Plots need matplotlib, which is not installed "

@@ -71,17 +71,19 @@ class LossRecorder(Trainer):
         return loss
 
 
-def train(precision="bf16", steps=6, overflow_at=None, output="hf-output", callbacks=()):
-    """Train from a fixed seed; the losses of every step."""
+def train(precision="bf16", steps=6, overflow_at=None, output="hf-output", callbacks=(),
+          save_steps=None, resume=None):
+    """Train from a fixed seed (``resume``: from this checkpoint; ``save_steps``: save one
+    every so many steps); the losses of every step."""
     torch.manual_seed(0)
     args = TrainingArguments(
         output_dir=output, max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
         use_cpu=True, bf16=precision == "bf16", fp16=precision == "fp16", report_to=[],
-        save_strategy="no", disable_tqdm=True, seed=0, logging_steps=steps,
-        dataloader_num_workers=0)
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        disable_tqdm=True, seed=0, logging_steps=steps, dataloader_num_workers=0)
     trainer = LossRecorder(model=TinyLM(overflow_at), args=args, train_dataset=Tokens(),
                            callbacks=list(callbacks))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer.losses
 
 
