@@ -498,7 +498,8 @@ def _closure_run_first(args, kwargs):
     guard's pre-hook comes before the monitors'), so they see this step's gradients and the
     forward runs observed; the optimizer's first call of the closure gets its result, later
     calls (LBFGS's line search) run it again. None when there is no closure to run."""
-    closure = kwargs.get("closure", args[0] if args else None)
+    # the hook's ``args`` are step()'s, the optimizer first: a positional closure is args[1]
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None or isinstance(closure, _FirstCallCached) or not callable(closure):
         return None
     with torch.enable_grad():
@@ -506,7 +507,7 @@ def _closure_run_first(args, kwargs):
     cached = _FirstCallCached(closure, result)
     if "closure" in kwargs:
         return args, {**kwargs, "closure": cached}
-    return (cached, *args[1:]), kwargs
+    return (args[0], cached, *args[2:]), kwargs
 
 
 class _FirstCallCached:
