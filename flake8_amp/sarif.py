@@ -92,7 +92,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     options = parser.parse_args(argv)
     try:
         with open(options.sarif, encoding="utf-8") as fh:
-            log = annotate(json.load(fh), options.docs_url)
+            text = fh.read()
+        if not text.strip():
+            raise SarifError("empty (flake8-sarif can leave --output-file empty: redirect its "
+                             "output instead, flake8 --format=sarif ... > FILE)")
+        log = annotate(json.loads(text), options.docs_url)
     except OSError as err:
         parser.exit(2, f"error: {options.sarif}: {err.strerror}\n")
     except json.JSONDecodeError as err:
