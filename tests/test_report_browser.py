@@ -74,7 +74,7 @@ def _no_external_url(page: Path):
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install chromium); "
-                                             ".ci/install installs it in CI")
+                                             "tests/run.sh installs it in CI")
 def test_a_browser_shows_every_plot_of_a_run_and_fetches_nothing(overflow_logs, tmp_path):
     page = overflow_logs / "report.html"
     _no_external_url(page)
@@ -86,7 +86,7 @@ def test_a_browser_shows_every_plot_of_a_run_and_fetches_nothing(overflow_logs, 
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install chromium); "
-                                             ".ci/install installs it in CI")
+                                             "tests/run.sh installs it in CI")
 def test_a_browser_shows_the_page_over_several_ranks(overflow_logs, tmp_path):
     base = tmp_path / "ddp"
     for rank in (0, 1):

@@ -2,6 +2,7 @@
 formatter plugin) then ``python -m flake8_amp.sarif``, which adds each AMP rule's name,
 documentation page and severity (P0 error, P1 warning, P2 note)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,23 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, content, message):
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
     assert sarif.read_text() == content  # nothing lost
     assert annotate(tmp_path / "missing.sarif").stderr.strip().endswith("No such file or directory")
+
+
+def test_the_documented_workflow_step_writes_an_annotated_sarif(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    docs = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    block = docs.split("<!-- sarif-workflow", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    steps = yaml.safe_load(block)["jobs"]["amp-lint"]["steps"]
+    lint = next(step for step in steps if step.get("name") == "flake8-amp (SARIF)")
+    upload = next(step for step in steps if "upload-sarif" in step.get("uses", ""))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text((ROOT / EXAMPLE).read_text(encoding="utf-8"))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "-e", "-c", lint["run"]], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run = json.loads((tmp_path / upload["with"]["sarif_file"]).read_text())["runs"][0]
+    assert run["results"] and all(r["ruleId"].startswith("AMP") for r in run["results"])
+    assert {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+            for r in run["results"]} == {"src/train.py"}
+    assert all("helpUri" in rule for rule in run["tool"]["driver"]["rules"])
