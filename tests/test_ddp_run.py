@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import amp_runtime
-from frameworks.support import line_of, place
+from frameworks.support import line_of, place, rebuilt_report
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "ddp_train.py"
 
@@ -34,10 +34,7 @@ def test_each_rank_writes_its_own_folder_and_the_report_names_the_first_failing_
     assert {e.rank for e in rank0} == {0}
     assert all(e.step >= 3 for e in rank0)  # rank 0 got the NaN through the all-reduce
 
-    rebuilt = subprocess.run([sys.executable, "-m", "amp_runtime", "report", str(out)],
-                             capture_output=True, text=True, timeout=120)
-    assert rebuilt.returncode == 0, rebuilt.stderr
-    page = (out / "report.html").read_text(encoding="utf-8")
+    page = rebuilt_report(out)
     assert "First failing rank: rank 1 at step 3: AMP112 (P0) nonfinite-loss" in page
     assert '<section id="rank-0">' in page and '<section id="rank-1">' in page
 

@@ -1,8 +1,6 @@
 """Lightning: AmpGuardCallback, ``amp_runtime.guard()`` and ``python -m amp_runtime run``
 around real ``Trainer.fit`` runs on the CPU (tests/frameworks/lightning_train.py is the
 user's script)."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,8 @@ from amp_runtime.guard import active_guards  # noqa: E402
 from amp_runtime.integrations.lightning import AmpGuardCallback  # noqa: E402
 from frameworks import lightning_train as user  # noqa: E402
 from frameworks.support import (  # noqa: E402
-    assert_sources_are_users, events_in, line_of, place, run_script,
+    assert_overflow_pinned, assert_sources_are_users, events_in, line_of, place, rebuilt_report,
+    run_script,
 )
 
 SCRIPT = Path(user.__file__).resolve()
@@ -72,10 +71,7 @@ def test_an_injected_overflow_is_pinned_to_the_users_line_at_the_trainers_step(p
     callback = AmpGuardCallback(policy="record", trace="always")
     user.fit(precision, overflow_at=3, root=tmp_path, callbacks=[callback])
     events = callback.guard.report.events
-    first = events[0]
-    assert (first.code, first.step, place(first.source)) == ("AMP101", 3, OVERFLOW)
-    assert min(e.step for e in events) == 3
-    assert_sources_are_users(events, SCRIPT)
+    assert_overflow_pinned(events, SCRIPT, OVERFLOW, step=3)
     # the step-level checks run inside Lightning's precision plugin: its line is a detail
     loss = next(e for e in events if e.code == "AMP112")
     assert (loss.step, place(loss.source)) == (3, FIT_CALL)
@@ -147,10 +143,7 @@ def test_ddp_writes_a_folder_per_rank_and_one_report_naming_the_first_failing_ra
     assert (failing[0].code, failing[0].step, failing[0].rank) == ("AMP112", 3, 1)
     assert_sources_are_users(failing, SCRIPT)
     assert {e.rank for e in events_in(base / "rank-0")} == {0}  # its gradients, all-reduced
-    rebuilt = subprocess.run([sys.executable, "-m", "amp_runtime", "report", str(base)],
-                             capture_output=True, text=True, timeout=120)
-    assert rebuilt.returncode == 0, rebuilt.stderr
-    page = (base / "report.html").read_text(encoding="utf-8")
+    page = rebuilt_report(base)
     assert "First failing rank: rank 1 at step 3: AMP112 (P0) nonfinite-loss" in page
     assert 'id="rank-0-plot-loss"' in page and 'id="rank-1-plot-loss"' in page
 

@@ -14,7 +14,7 @@ from amp_runtime.guard import active_guards  # noqa: E402
 from amp_runtime.integrations.transformers import AmpGuardCallback  # noqa: E402
 from frameworks import hf_train as user  # noqa: E402
 from frameworks.support import (  # noqa: E402
-    assert_sources_are_users, events_in, line_of, place, run_script,
+    assert_overflow_pinned, events_in, line_of, place, run_script,
 )
 
 SCRIPT = Path(user.__file__).resolve()
@@ -52,10 +52,7 @@ def test_an_injected_overflow_is_pinned_to_the_users_model_code_at_the_trainers_
     callback = AmpGuardCallback(policy="record", trace="always")
     user.train(overflow_at=3, output=tmp_path, callbacks=[callback])
     events = callback.guard.report.events
-    first = events[0]
-    assert (first.code, first.step, place(first.source)) == ("AMP101", 3, OVERFLOW)
-    assert min(e.step for e in events) == 3
-    assert_sources_are_users(events, SCRIPT)
+    assert_overflow_pinned(events, SCRIPT, OVERFLOW, step=3)
     # backward runs in accelerate, the model's layers in transformers: details, not sources
     loss = next(e for e in events if e.code == "AMP112")
     assert "/accelerate/" in loss.details["library_source"]

@@ -52,3 +52,20 @@ def assert_sources_are_users(events, script: Path):
     """Every event points at the user's script; a framework's line goes only in details."""
     for event in events:
         assert event.source and place(event.source)[0] == script, str(event)
+
+
+def assert_overflow_pinned(events, script: Path, overflow: tuple, step: int):
+    """The first event is AMP101 at the injected line and step, none came earlier, and every
+    event points at the user's script."""
+    first = events[0]
+    assert (first.code, first.step, place(first.source)) == ("AMP101", step, overflow)
+    assert min(e.step for e in events) == step
+    assert_sources_are_users(events, script)
+
+
+def rebuilt_report(log_dir: Path) -> str:
+    """``python -m amp_runtime report LOG_DIR``, as a user runs it; the page's text."""
+    result = subprocess.run([sys.executable, "-m", "amp_runtime", "report", str(log_dir)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return (log_dir / "report.html").read_text(encoding="utf-8")
