@@ -1,23 +1,12 @@
 """``python -m amp_runtime run`` under torchrun: a real 2-process gloo group on the CPU writes
 one log folder per rank, and ``python -m amp_runtime report`` over them gives one page that
 names the first failing rank and step."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import amp_runtime
-from frameworks.support import line_of, place, rebuilt_report
+from frameworks.support import line_of, place, rebuilt_report, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "ddp_train.py"
-
-
-def torchrun(*args, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         *map(str, args)],
-        cwd=cwd, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_each_rank_writes_its_own_folder_and_the_report_names_the_first_failing_rank(tmp_path):

@@ -14,7 +14,7 @@ from amp_runtime.guard import active_guards  # noqa: E402
 from amp_runtime.integrations.transformers import AmpGuardCallback  # noqa: E402
 from frameworks import hf_train as user  # noqa: E402
 from frameworks.support import (  # noqa: E402
-    assert_overflow_pinned, events_in, line_of, place, run_script,
+    assert_overflow_pinned, events_in, line_of, place, rebuilt_report, run_script, torchrun,
 )
 
 SCRIPT = Path(user.__file__).resolve()
@@ -84,3 +84,16 @@ def test_events_name_the_step_the_trainer_counts_on_a_resumed_train(tmp_path):
     first = callback.guard.report.events[0]
     assert (first.code, first.step) == ("AMP101", 4)  # the guard itself counted 1
     assert callback.session.log_dir is None and not (tmp_path / "amp-report").exists()
+
+
+def test_ddp_writes_a_folder_per_rank_and_one_report_naming_the_first_failing_rank(tmp_path):
+    result = torchrun(SCRIPT, "--callback", "--overflow-at", 3, "--overflow-rank", 1,
+                      "--output", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    base = tmp_path / "out" / "amp-report"
+    assert sorted(p.name for p in base.iterdir() if p.is_dir()) == ["rank-0", "rank-1"]
+    failing = events_in(base / "rank-1")
+    assert (failing[0].code, failing[0].step, failing[0].rank) == ("AMP112", 3, 1)
+    assert {e.rank for e in events_in(base / "rank-0")} == {0}
+    page = rebuilt_report(base)
+    assert "First failing rank: rank 1 at step 3: AMP112 (P0) nonfinite-loss" in page

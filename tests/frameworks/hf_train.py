@@ -1,8 +1,8 @@
 """A small Hugging Face training script, as a user writes one: a tiny randomly initialised
 Llama body with the user's own head, trained by ``transformers.Trainer`` on the CPU.
 
-    python hf_train.py --precision bf16 --steps 6 [--overflow-at N] [--callback]
-                       [--trace auto] [--output DIR] [--losses FILE]
+    python hf_train.py --precision bf16 --steps 6 [--overflow-at N [--overflow-rank R]]
+                       [--callback] [--trace auto] [--output DIR] [--losses FILE]
 
 The tests import it (``train``) and run it as a script, plain and under
 ``python -m amp_runtime run``. Nothing is downloaded (HF_HUB_OFFLINE=1).
@@ -25,7 +25,7 @@ VOCAB = 64
 class TinyLM(nn.Module):
     """The user's model code: a one-layer Llama body and a language-model head."""
 
-    def __init__(self, overflow_at=None):
+    def __init__(self, overflow_at=None, overflow_rank=None):
         super().__init__()
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
@@ -33,13 +33,14 @@ class TinyLM(nn.Module):
         self.body = LlamaModel(config)
         self.head = nn.Linear(16, VOCAB, bias=False)
         self.overflow_at = overflow_at
+        self.overflows_here = overflow_rank in (None, int(os.environ.get("RANK", "0")))
         self.training_calls = 0
 
     def forward(self, input_ids, labels=None):
         hidden = self.body(input_ids=input_ids).last_hidden_state
         logits = self.head(hidden)
         if self.training:
-            if self.training_calls == self.overflow_at:
+            if self.training_calls == self.overflow_at and self.overflows_here:
                 logits = logits * 1e39  # injected overflow
             self.training_calls += 1
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
@@ -72,7 +73,7 @@ class LossRecorder(Trainer):
 
 
 def train(precision="bf16", steps=6, overflow_at=None, output="hf-output", callbacks=(),
-          save_steps=None, resume=None):
+          save_steps=None, resume=None, overflow_rank=None):
     """Train from a fixed seed (``resume``: from this checkpoint; ``save_steps``: save one
     every so many steps); the losses of every step."""
     torch.manual_seed(0)
@@ -81,8 +82,8 @@ def train(precision="bf16", steps=6, overflow_at=None, output="hf-output", callb
         use_cpu=True, bf16=precision == "bf16", fp16=precision == "fp16", report_to=[],
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         disable_tqdm=True, seed=0, logging_steps=steps, dataloader_num_workers=0)
-    trainer = LossRecorder(model=TinyLM(overflow_at), args=args, train_dataset=Tokens(),
-                           callbacks=list(callbacks))
+    trainer = LossRecorder(model=TinyLM(overflow_at, overflow_rank), args=args,
+                           train_dataset=Tokens(), callbacks=list(callbacks))
     trainer.train(resume_from_checkpoint=resume)
     return trainer.losses
 
@@ -92,6 +93,7 @@ def main():
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--overflow-at", type=int)
+    parser.add_argument("--overflow-rank", type=int, help="under torchrun: only on this rank")
     parser.add_argument("--callback", action="store_true", help="add AmpGuardCallback")
     parser.add_argument("--trace", default="auto")
     parser.add_argument("--output", default="hf-output")
@@ -103,8 +105,8 @@ def main():
 
         callbacks.append(AmpGuardCallback(policy="record", trace=options.trace))
     losses = train(options.precision, options.steps, options.overflow_at, options.output,
-                   callbacks)
-    if options.losses:
+                   callbacks, overflow_rank=options.overflow_rank)
+    if options.losses and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0's
         with open(options.losses, "w", encoding="utf-8") as fh:
             json.dump(losses, fh)
 

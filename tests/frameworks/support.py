@@ -69,3 +69,12 @@ def rebuilt_report(log_dir: Path) -> str:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return (log_dir / "report.html").read_text(encoding="utf-8")
+
+
+def torchrun(*args, cwd: Path):
+    """``torchrun --standalone --nproc-per-node 2 ARGS``: a 2-process gloo group on the CPU."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         *map(str, args)],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+        env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"})
