@@ -42,6 +42,7 @@ def main():
     if options.losses and rank == 0:
         with open(options.losses, "w", encoding="utf-8") as fh:
             json.dump(losses, fh)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 
