@@ -30,9 +30,10 @@ from typing import List, Optional, Sequence
 
 from .events import GuardError
 from .html_report import REPORT_FILE, ReportError, build_report
+from .ranks import LOG_FOLDER, launcher_rank, rank_log_dir
 
 PROG = "python -m amp_runtime"
-DEFAULT_OUT = "amp-report"
+DEFAULT_OUT = LOG_FOLDER
 USAGE_ERROR = 2
 
 
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="only these codes/prefixes, e.g. AMP1,AMP003")
     run.add_argument("--ignore", type=_codes, metavar="CODES", help="skip these codes/prefixes")
     run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                     help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/)")
+                     help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/); "
+                          "under torchrun each process writes to DIR/rank-N")
     run.add_argument("--no-report", action="store_true", help="write the logs but not report.html")
     run.add_argument("-m", dest="as_module", action="store_true",
                      help="SCRIPT is a module name: run it as `python -m MODULE ARGS` would")
@@ -125,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser(
         "report", help="build report.html from a guard's log folder",
-        description="Build one self-contained report.html from events.jsonl/metrics.jsonl in DIR.",
+        description="Build one self-contained report.html from events.jsonl/metrics.jsonl in DIR.\n"
+                    "For a distributed run (DIR/rank-0, DIR/rank-1, ...: what `run` under\n"
+                    "torchrun and the Lightning / Hugging Face callbacks write), one page over\n"
+                    "all ranks that names the first failing rank and step.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     report.add_argument("dir", metavar="DIR", help="a guard's log_dir (e.g. amp-report/)")
     report.add_argument("--out", metavar="FILE",
@@ -210,9 +216,11 @@ def _run(options) -> int:
         raise CliError(f"run: {target}: no such file")
     import amp_runtime
 
-    out = Path(options.out)
-    if out.exists() and not out.is_dir():
+    base = Path(options.out)
+    if base.exists() and not base.is_dir():
         raise CliError(f"run: --out {options.out}: exists and is not a folder")
+    rank, world_size = launcher_rank()  # under torchrun: one folder per rank
+    out = rank_log_dir(base, rank, world_size)
     try:
         guard = amp_runtime.guard(
             policy=options.policy, trace=options.trace, select=options.select,
@@ -226,11 +234,17 @@ def _run(options) -> int:
     width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None
     print(guard.report.summary(width=width), file=sys.stderr)
     if not options.no_report:
-        try:
-            page = build_report(out)
-            print(f"amp_runtime: report at {page}", file=sys.stderr)
-        except ReportError as err:
-            print(f"amp_runtime: no report: {err}", file=sys.stderr)
+        # rank 0 also builds the page over all ranks, from what they have written so far
+        folders = [out, base] if out != base and rank == 0 else [out]
+        for folder in folders:
+            try:
+                page = build_report(folder)
+                print(f"amp_runtime: report at {page}", file=sys.stderr)
+            except ReportError as err:
+                print(f"amp_runtime: no report: {err}", file=sys.stderr)
+        if out != base and rank == 0:
+            print(f"amp_runtime: once every rank has finished, `{PROG} report {base}` "
+                  "rebuilds the page over all ranks", file=sys.stderr)
     else:
         print(f"amp_runtime: logs in {out}{os.sep}", file=sys.stderr)
     return status

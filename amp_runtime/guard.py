@@ -44,7 +44,7 @@ from .events import Event, GuardError, Report
 from .mode import GuardMode
 from .monitors import Monitor
 from .thresholds import Thresholds
-from .tracking import ModuleTracker, op_name, user_source
+from .tracking import ModuleTracker, call_site, op_name
 
 POLICIES = ("warn", "raise", "record")
 TRACE_MODES = ("off", "auto", "always")
@@ -226,19 +226,24 @@ class Guard:
         """Record a finding and apply the policy; None when the code is deselected.
 
         ``op`` may be a torch function or a name. ``source`` and ``module`` default to the
-        user's line and the running module. Under ``policy="raise"`` an event at or above
+        user's line and the running module (a framework's line that called torch for the user
+        goes to ``details["library_source"]``). Under ``policy="raise"`` an event at or above
         ``raise_at`` raises GuardError here, i.e. inside the op that caused it.
         """
         if self.suspended or not self.enabled(code):
             return None
         op = op if op is None or isinstance(op, str) else op_name(op)
+        if source is None:
+            source, library_source = call_site()
+            if library_source is not None:  # a framework's line (Lightning, transformers)
+                details = {**(details or {}), "library_source": library_source}
         event = Event.create(
             code,
             severity=severity,
             op=op,
             module=module if module is not None else self.tracker.current(),
             step=self.step_index,
-            source=source if source is not None else user_source(),
+            source=source,
             rank=_rank(),
             details=details or {},
             **message_fields,
@@ -378,14 +383,18 @@ class Guard:
         with self._unobserved:
             return mode.__torch_function__(original, (), args, kwargs)
 
-    def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
-        if self._mode is None or self._in_optimizer:
-            return
-        if threading.get_ident() == self._thread:
-            self._in_optimizer = True
-            self._sync_mode()
-            if "zero_grad" not in vars(optimizer):
-                self._zero_grad_unobserved(optimizer)
+    def _optimizer_step_starts(self, optimizer, args, kwargs):
+        if self._mode is None or self._in_optimizer or self.suspended:
+            return None
+        if threading.get_ident() != self._thread:
+            return None
+        # before the mode leaves: a closure is the user's forward and backward
+        arguments = _closure_run_first(args, kwargs)
+        self._in_optimizer = True
+        self._sync_mode()
+        if "zero_grad" not in vars(optimizer):
+            self._zero_grad_unobserved(optimizer)
+        return arguments
 
     def _zero_grad_unobserved(self, optimizer) -> None:
         """Let ``optimizer.zero_grad()`` run without the mode: it reads and writes ``.grad``
@@ -481,6 +490,40 @@ class _Unobserved:
     def __exit__(self, *exc_info) -> None:
         self._guard._hidden -= 1
         self._guard._sync_mode()
+
+
+def _closure_run_first(args, kwargs):
+    """``optimizer.step(closure)`` (Lightning's bf16 and fp32 steps, LBFGS) runs the forward
+    and backward inside the step. Run the closure here, before the step's checks (this
+    guard's pre-hook comes before the monitors'), so they see this step's gradients and the
+    forward runs observed; the optimizer's first call of the closure gets its result, later
+    calls (LBFGS's line search) run it again. None when there is no closure to run."""
+    # the hook's ``args`` are step()'s, the optimizer first: a positional closure is args[1]
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None or isinstance(closure, _FirstCallCached) or not callable(closure):
+        return None
+    with torch.enable_grad():
+        result = closure()
+    cached = _FirstCallCached(closure, result)
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": cached}
+    return (args[0], cached, *args[2:]), kwargs
+
+
+class _FirstCallCached:
+    """A closure whose first call returns the result it already produced."""
+
+    __slots__ = ("_closure", "_result", "_called")
+
+    def __init__(self, closure, result):
+        self._closure, self._result, self._called = closure, result, False
+
+    def __call__(self):
+        if self._called:
+            return self._closure()
+        self._called = True
+        result, self._result = self._result, None
+        return result
 
 
 def _overridden(monitors: List[Monitor], method: str) -> List[Callable]:
