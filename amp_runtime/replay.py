@@ -55,7 +55,7 @@ from torch.optim.optimizer import (
 
 from .events import GuardError
 from .mode import GuardMode
-from .monitors import Monitor, peak, readable, tensors_in
+from .monitors import Monitor, readable, tensors_in
 from .monitors.grads import l2_norms, layer_of, listing
 from .tracking import op_name, user_source
 
@@ -239,14 +239,20 @@ def _host_values(scalars: Sequence[torch.Tensor]) -> List[float]:
     return values
 
 
-def _grads_peak(grads) -> Optional[torch.Tensor]:
-    """max |g| over the gradients of one autograd node (NaN/Inf propagate), None if none."""
-    peaks = [peak(g).float() for g in grads if isinstance(g, torch.Tensor) and readable(g)]
-    if not peaks:
+def _finiteness_probe(grads) -> Optional[torch.Tensor]:
+    """A float32 device scalar that is non-finite if and only if (short of a sum beyond 3e38)
+    one of the gradients an autograd node produced holds NaN/Inf: the sum of all their
+    elements, the cheapest full pass (no host read here); None if it produced none.
+
+    Only what a node produces is probed: a sum of finite gradients that overflows where
+    several consumers' gradients meet shows in the node that receives it."""
+    sums = [g.sum(dtype=torch.float32) for g in grads
+            if isinstance(g, torch.Tensor) and readable(g)]
+    if not sums:
         return None
-    if len(peaks) == 1:
-        return peaks[0]
-    return torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
+    if len(sums) == 1:
+        return sums[0]
+    return torch.stack([s.to(sums[0].device) for s in sums]).sum()
 
 
 # -- state put back after a replay -----------------------------------------------------------
@@ -264,6 +270,15 @@ def _autocast(state: Tuple[Tuple[str, torch.dtype], ...]):
             elif torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
+
+def _eager():
+    """Run code that ``torch.compile`` compiled (a compiled submodule) eagerly: the replay's ops
+    must reach its TorchFunctionMode, and a new mode on the stack would recompile it. Without
+    dynamo imported, nothing is compiled (and importing it would take seconds)."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 @contextlib.contextmanager
@@ -399,10 +414,13 @@ class _Localizer:
         roots, seeds, start = backward_start(out)
         if not roots:
             return None, set()
-        readings: List[Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        # (node, probe of the gradients it produced), in the order the backward ran them
+        readings: List[Tuple[Any, torch.Tensor]] = []
 
         def seen(node, grad_inputs, grad_outputs):
-            readings.append((node, _grads_peak(grad_outputs), _grads_peak(grad_inputs)))
+            probe = _finiteness_probe(grad_inputs)
+            if probe is not None:
+                readings.append((node, probe))
 
         handles = [node.register_hook(functools.partial(seen, node)) for node in self.where]
         wanted = [p for p in params if p.requires_grad]
@@ -412,21 +430,16 @@ class _Localizer:
             for handle in handles:
                 handle.remove()
         present = [(p, g) for p, g in zip(wanted, grads) if g is not None]
-        peaks = [value for _, incoming, outgoing in readings for value in (incoming, outgoing)
-                 if value is not None]
         norms = l2_norms([g for _, g in present]) if present else []
-        values = _host_values(peaks + norms)
-        node_values, norm_values = iter(values[:len(peaks)]), values[len(peaks):]
+        values = _host_values([probe for _, probe in readings] + norms)  # the one read
+        probes, norm_values = values[:len(readings)], values[len(readings):]
         nonfinite = {id(p) for (p, _), norm in zip(present, norm_values) if not math.isfinite(norm)}
-        for node, incoming, outgoing in readings:
-            finite_in = incoming is None or math.isfinite(next(node_values))
-            finite_out = outgoing is None or math.isfinite(next(node_values))
-            if not (finite_in and finite_out):
+        for (node, _), value in zip(readings, probes):
+            if not math.isfinite(value):
                 op, module, source = self.where.get(node, (None, None, None))
-                return Origin("backward", op, module, source, {
-                    "node": node.name(), "backward_from": start,
-                    "nonfinite": "incoming gradient" if not finite_in else "outgoing gradient",
-                }), nonfinite
+                origin = Origin("backward", op, module, source,
+                                {"node": node.name(), "backward_from": start})
+                return origin, nonfinite
         return None, nonfinite
 
 
@@ -489,10 +502,13 @@ class _RootLearning:
         self._depth = 0
         self._traced = False
         self._filter = None
+        self._thread: Optional[int] = None
         self.active = False
 
     def start(self) -> None:
+        """Learn from the module calls of the calling thread (the guard's)."""
         self.active = True
+        self._thread = threading.get_ident()
         warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]
         self._handles = [
@@ -523,7 +539,7 @@ class _RootLearning:
         if is_compiling():
             self._traced = True
             return
-        if not self.active:
+        if not self.active or threading.get_ident() != self._thread:
             return
         if self._depth == 0:
             self._on_root(module, args, _call_kwargs(sys._getframe(1)))
@@ -532,7 +548,7 @@ class _RootLearning:
             self.stop()
 
     def _post(self, module, args, out) -> None:
-        if self.active and not is_compiling():
+        if self.active and not is_compiling() and threading.get_ident() == self._thread:
             self._depth = max(0, self._depth - 1)
 
 
@@ -723,8 +739,8 @@ class StepReplay(Monitor):
                 self._replay_step(outcome, self._calls_of(step))
             except ReplayError as reason:
                 outcome.skipped = str(reason)
-                outcome.origin = self._forward_causes.get(step)  # found before it stopped
-            self._close(outcome)
+            finally:  # also when a finding raises under policy="raise"
+                self._close(outcome)
 
     def _calls_of(self, step: int) -> List[RootCall]:
         if step == self.guard.step_index:
@@ -744,6 +760,8 @@ class StepReplay(Monitor):
 
     def _close(self, outcome: Outcome) -> None:
         """Open the episode the replay belongs to, keep its outcome, say why it did not run."""
+        if outcome.origin is None:  # an AMP101 found before the replay stopped
+            outcome.origin = self._forward_causes.get(outcome.step)
         quiet = self.guard.thresholds.auto_quiet_steps
         if set(outcome.triggers) - {SKIPPED} or outcome.origin is not None:
             self._episode_until = outcome.step + quiet
@@ -751,7 +769,8 @@ class StepReplay(Monitor):
             self._skip_episode_until = outcome.step + quiet
         self.outcomes.append(outcome)
         if outcome.skipped:
-            self._warn_once(f"step {outcome.step} was not replayed: {outcome.skipped}")
+            self._warn_once(outcome.skipped, f"step {outcome.step} was not replayed: "
+                                             f"{outcome.skipped}")
 
     def _replay_step(self, outcome: Outcome, calls: List[RootCall],
                      observed: Optional[Set[int]] = None) -> None:
@@ -774,11 +793,13 @@ class StepReplay(Monitor):
             if reason:
                 raise ReplayError(reason)
         params = list(dict.fromkeys(p for module in modules for p in module.parameters()))
+        for module in modules:
+            guard.tracker.name_root(module)
         self.replaying = True
         try:
             with _local_only(), guard.unobserved():
                 try:
-                    with _preserved(modules), torch.compiler.set_stance("force_eager"):
+                    with _preserved(modules), _eager():
                         if localize and observed is None:
                             observed = _nonfinite_grads(params)
                         self._run(outcome, calls, tracers, localize, params, observed)
@@ -834,13 +855,15 @@ class StepReplay(Monitor):
         try:
             save_bundle(path, outcome, calls, modules, nonfinite)
         except (TypeError, OSError, RuntimeError) as err:
-            self._warn_once(f"the repro bundle of step {outcome.step} was not written: {err}")
+            self._warn_once("bundle", f"the repro bundle of step {outcome.step} was not "
+                                      f"written: {err}")
             return
         outcome.bundle = path
 
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned and self.guard.policy == "warn":
-            self._warned.add(message)
+    def _warn_once(self, reason: str, message: str) -> None:
+        """Say why a replay or a bundle failed, once per reason (the run goes on)."""
+        if reason not in self._warned and self.guard.policy == "warn":
+            self._warned.add(reason)
             from .guard import AmpRuntimeWarning
 
             warnings.warn(f"amp_runtime: {message}", AmpRuntimeWarning, stacklevel=2)
