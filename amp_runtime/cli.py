@@ -475,12 +475,11 @@ def _outcome_line(outcome) -> str:
     origin = outcome.origin
     if origin is None:
         return f"{head} the replayed step stayed finite"
-    where = " ".join(part for part in (origin.module and f"in {origin.module}",
-                                       origin.source and f"at {origin.source}") if part)
+    at = f" at {origin.source}" if origin.source else ""
     if origin.phase == "forward":
-        return f"{head} {origin.op} produced the first NaN/Inf {where}"
-    verified = "" if outcome.reproduced else " (not every non-finite gradient reproduced)"
-    return f"{head} the backward of {origin.op} first turned gradients non-finite {where}{verified}"
+        return f"{head} the first NaN/Inf came from {origin.describe()}{at}"
+    verified = "" if outcome.reproduced else " (the step's non-finite gradients not all reproduced)"
+    return f"{head} gradients first turned non-finite in {origin.describe()}{at}{verified}"
 
 
 _COMMANDS = {"run": _run, "report": _report, "doctor": _doctor, "compare": _compare,

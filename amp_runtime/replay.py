@@ -126,6 +126,14 @@ class Origin:
         return {"phase": self.phase, "op": self.op, "module": self.module, "source": self.source,
                 **self.details}
 
+    def describe(self) -> str:
+        """``linear in blocks.2.fc2``; ``the backward of sqrt in head``; a node that no op of
+        the replay created (a custom autograd Function's) by its own name."""
+        if self.phase == "backward" and self.op == self.details.get("node"):
+            return f"autograd node {self.op}"
+        what = f"the backward of {self.op}" if self.phase == "backward" else str(self.op)
+        return f"{what} in {self.module}" if self.module else what
+
 
 @dataclass
 class Outcome:
@@ -422,7 +430,10 @@ class _Localizer:
             if probe is not None:
                 readings.append((node, probe))
 
-        handles = [node.register_hook(functools.partial(seen, node)) for node in self.where]
+        # every node of the replayed graph, also those no replayed op created (a custom
+        # autograd Function's): the inputs were detached, so the walk stays in this graph
+        handles = [node.register_hook(functools.partial(seen, node))
+                   for node in _graph_nodes(root.grad_fn for root in roots)]
         wanted = [p for p in params if p.requires_grad]
         try:
             grads = torch.autograd.grad(roots, wanted, seeds, allow_unused=True) if wanted else ()
@@ -436,11 +447,24 @@ class _Localizer:
         nonfinite = {id(p) for (p, _), norm in zip(present, norm_values) if not math.isfinite(norm)}
         for (node, _), value in zip(readings, probes):
             if not math.isfinite(value):
-                op, module, source = self.where.get(node, (None, None, None))
+                # a node no replayed op created (a custom Function's) is named by itself
+                op, module, source = self.where.get(node, (node.name(), None, None))
                 origin = Origin("backward", op, module, source,
                                 {"node": node.name(), "backward_from": start})
                 return origin, nonfinite
         return None, nonfinite
+
+
+def _graph_nodes(starts) -> Iterator[Any]:
+    """The autograd nodes reachable from ``starts``, except the leaves' accumulators."""
+    queue, seen = deque(starts), set()
+    while queue:
+        node = queue.popleft()
+        if node is None or node in seen or _is_leaf_node(node):
+            continue
+        seen.add(node)
+        yield node
+        queue.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _is_leaf_node(node) -> bool:
@@ -676,9 +700,9 @@ class StepReplay(Monitor):
         is remembered as its step's forward cause."""
         if self.replaying:
             event.details["replayed"] = True
-        if event.code == "AMP101" and event.step is not None:
-            self._forward_causes[event.step] = Origin(
-                "forward", event.op, event.module, event.source, {"code": "AMP101"})
+        if event.code == "AMP101" and event.step is not None:  # the step's first one
+            self._forward_causes.setdefault(event.step, Origin(
+                "forward", event.op, event.module, event.source, {"code": "AMP101"}))
             for old in [s for s in self._forward_causes if s < event.step - 2]:
                 del self._forward_causes[old]
 
@@ -717,11 +741,8 @@ class StepReplay(Monitor):
             details["replay"] = outcome.to_json()
         if origin is None:
             return {**kwargs, "details": details}
-        what = f"{origin.op} in {origin.module}" if origin.module else str(origin.op)
-        if origin.phase == "forward":
-            cause = f"caused by the non-finite output of {what}, AMP101"
-        else:
-            cause = f"first non-finite in the backward of {what}"
+        cause = f"caused by the non-finite output of {origin.describe()}, AMP101" \
+            if origin.phase == "forward" else f"first non-finite in {origin.describe()}"
         details["origin"] = origin.to_json()
         return {**kwargs, "where": f"{kwargs['where']} ({cause})", "op": origin.op,
                 "module": origin.module, "source": origin.source, "details": details}
@@ -960,7 +981,9 @@ def load_bundle(path) -> Dict[str, Any]:
     try:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip and torch's own errors alike
-        raise BundleError(f"{path} is not a repro bundle ({type(err).__name__}: {err})") from None
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise BundleError(f"{path} is not a repro bundle ({type(err).__name__}: {reason})") \
+            from None
     if not isinstance(bundle, dict) or bundle.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"{path} is not an amp_runtime repro bundle (format {BUNDLE_FORMAT})")
     return bundle
@@ -980,8 +1003,8 @@ def _load_state(module: torch.nn.Module, saved: Dict[str, Any]) -> None:
         for name in sorted(set(stored) & set(own)):
             theirs, ours = stored[name], own[name]
             if theirs.shape != ours.shape or theirs.dtype != ours.dtype:
-                problems.append(f"{kind} {name} is {dtype_and_shape(ours)} in the model, "
-                                f"{dtype_and_shape(theirs)} in the bundle")
+                problems.append(f"{kind} {name} is {_dtype_and_shape(ours)} in the model, "
+                                f"{_dtype_and_shape(theirs)} in the bundle")
             else:
                 pairs.append((ours, theirs))
     if problems:
@@ -992,7 +1015,7 @@ def _load_state(module: torch.nn.Module, saved: Dict[str, Any]) -> None:
             ours.copy_(theirs)
 
 
-def dtype_and_shape(tensor: torch.Tensor) -> str:
+def _dtype_and_shape(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
 
 
@@ -1010,6 +1033,7 @@ def replay_bundle(bundle: Dict[str, Any], modules: Sequence[torch.nn.Module],
                   device: Optional[str] = None):
     """Re-run a bundle's step on ``modules`` (built by the user's factory, in the bundle's
     order) with per-op checks: ``(report, outcome)``. The modules get the bundle's weights."""
+    modules = [eager_module(module) for module in modules]  # a factory may compile or wrap
     saved = bundle["modules"]
     if len(modules) != len(saved):
         raise BundleError(f"the factory returned {len(modules)} module(s); the bundle holds "
@@ -1020,6 +1044,8 @@ def replay_bundle(bundle: Dict[str, Any], modules: Sequence[torch.nn.Module],
         recorded = saved[0]["device"] if saved else "cpu"
         device = recorded if recorded.startswith("cuda") and torch.cuda.is_available() else "cpu"
     target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise BundleError(f"--device {device}: CUDA is not available here (use --device cpu)")
     for module in modules:
         module.to(target)
     from .guard import guard as new_guard

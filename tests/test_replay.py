@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_globals
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import amp_runtime
@@ -237,11 +238,12 @@ def test_one_replay_per_anomaly_episode():
 # -- item 2: a finite forward with non-finite gradients -------------------------------------
 
 
-def test_a_backward_only_fault_is_localized_to_the_layer_whose_backward_made_it():
+@pytest.mark.parametrize("trace", ["auto", "always"])
+def test_a_backward_only_fault_is_localized_to_the_layer_whose_backward_made_it(trace):
     options = dict(steps=8, masked_sample={5})
     seen_plain, seen_guarded = [], []
     plain = train(**options, grads_seen=seen_plain)
-    g, result = guarded(**options, grads_seen=seen_guarded)
+    g, result = guarded(**options, grads_seen=seen_guarded, guard_options=dict(trace=trace))
     assert not g.report.by_code("AMP101")
     event = g.report.by_code("AMP103")[0]
     assert event.step == 5
@@ -255,6 +257,48 @@ def test_a_backward_only_fault_is_localized_to_the_layer_whose_backward_made_it(
     assert_same_run(plain, result)
     for before, after in zip(seen_plain, seen_guarded):  # .grad untouched by the replay
         assert_identical(before, after)
+
+
+class SqrtWithOwnBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        root = x.sqrt()
+        ctx.save_for_backward(root)
+        return root
+
+    @staticmethod
+    def backward(ctx, grad):
+        (root,) = ctx.saved_tensors
+        return grad / (2 * root)  # infinite at 0
+
+
+class WithOwnSqrt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.outer(SqrtWithOwnBackward.apply(self.inner(x).square()))
+
+
+def test_a_custom_autograd_function_is_named_by_its_node():
+    torch.manual_seed(0)
+    model = WithOwnSqrt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp_runtime.guard(policy="record") as g:
+        for step in range(3):
+            x = torch.randn(2, 4)
+            if step == 1:  # inner's output is 0: sqrt's own backward divides by 0
+                x.zero_()
+                with torch.no_grad():
+                    model.inner.bias.zero_()
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+    event = g.report.by_code("AMP103")[0]
+    assert event.step == 1 and event.op == "SqrtWithOwnBackwardBackward"
+    assert "first non-finite in autograd node SqrtWithOwnBackwardBackward" in event.message
+    assert event.details["replay"]["reproduced"] is True
 
 
 def test_a_loss_returned_by_the_model_is_where_the_replayed_backward_starts():
@@ -286,6 +330,22 @@ def test_a_loss_returned_by_the_model_is_where_the_replayed_backward_starts():
 # -- item 3: compiled models, DDP, several calls per step, no model= ------------------------
 
 
+def test_root_modules_are_learned_in_the_first_step_then_followed_by_their_own_hook():
+    hooks = module_globals._global_forward_pre_hooks, module_globals._global_forward_hooks
+    before = [len(h) for h in hooks]
+    torch.manual_seed(0)
+    model = Net()
+    with amp_runtime.guard(policy="record") as g:
+        assert [len(h) for h in hooks] != before  # learning, during the first step
+        train(1, model=model)
+        assert [len(h) for h in hooks] == before  # then one pre-hook on the root module only
+        assert len(model._forward_pre_hooks) == 1
+        assert all(not m._forward_pre_hooks for m in model.modules() if m is not model)
+        train(6, model=model, scaler=True, bad_batch={3})
+    assert [(e.step, e.module) for e in replayed(g)] == [(4, "embed")]  # step 3 of the 2nd loop
+    assert not model._forward_pre_hooks
+
+
 def test_each_call_of_the_step_is_replayed_in_order():
     # gradient accumulation: four calls of the model per step, the third of step 3 is bad
     options = dict(steps=6, scaler=True, micro_steps=4, bad_micro_step=(3, 2))
@@ -293,6 +353,28 @@ def test_each_call_of_the_step_is_replayed_in_order():
     (event,) = replayed(g)
     assert (event.step, event.module) == (3, "embed")
     assert_same_run(train(**options), result)
+
+
+def test_two_root_modules_are_replayed_in_their_order():
+    torch.manual_seed(0)
+    encoder, decoder = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), Net()
+    parameters = [*encoder.parameters(), *decoder.parameters()]
+    optimizer = torch.optim.SGD(parameters, lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_runtime.guard(policy="record") as g:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    decoder.blocks[2].fc2.weight.mul_(1e6)
+            with torch.autocast("cpu", dtype=torch.float16):
+                code = encoder(torch.randn(8, WIDTH))
+                loss = decoder(code).float().square().mean()
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    (event,) = replayed(g)
+    assert (event.step, event.module, event.source) == (2, "blocks.2.fc2", FC2_SOURCE)
 
 
 def test_inputs_changed_in_place_after_the_forward_are_not_replayed():
@@ -537,7 +619,8 @@ def test_the_failing_step_is_saved_and_replays_offline(project):
 
     done = amp_runtime_cli("replay", bundle, "--model", "model.py:build", cwd=project)
     assert done.returncode == 0, done.stderr
-    assert "replay of step 5" in done.stdout and "linear produced the first NaN/Inf" in done.stdout
+    assert "replay of step 5 (AMP103, AMP112): the first NaN/Inf came from linear in blocks.1.fc2" \
+        in done.stdout
     assert "AMP101" in done.stdout and "blocks.1.fc2" in done.stdout
     assert "model.py:" in done.stdout
 
@@ -577,6 +660,14 @@ def test_replay_errors_are_one_clear_line(project, args, status, message):
     assert message in done.stderr
     if status == 2:
         assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_replay_on_a_missing_device_is_a_clear_error(project):
+    done = amp_runtime_cli("replay", "logs/repro-step5.pt", "--model", "model.py:build",
+                           "--device", "cuda", cwd=project)
+    assert done.returncode == 2
+    assert "--device cuda: CUDA is not available here" in done.stderr
 
 
 def test_replay_help_explains_the_bundle_and_the_factory():
