@@ -59,6 +59,7 @@ MONITOR_MODULES = (
     "amp_runtime.monitors.forward",
     "amp_runtime.monitors.scaler",
     "amp_runtime.monitors.grads",
+    "amp_runtime.replay",
     "amp_runtime.metrics",
     "amp_runtime.tensorboard",
     "amp_runtime.steps",
@@ -173,6 +174,8 @@ class Guard:
         #: The code that turned tracing on under trace="auto" (None when it is off).
         self.tracing_reason: Optional[str] = None
         self._quiet_steps = 0
+        #: The monitor that replays a failing step (``replay.py``), None while not attached.
+        self.replayer = None
         self._thread: Optional[int] = None
         self._active = False
 
@@ -206,6 +209,13 @@ class Guard:
             if self._mode is not None:
                 self._mode.set_tracing(True)
             self._sync_mode()
+
+    def request_replay(self, code: str, step: Optional[int] = None) -> None:
+        """A step-level check saw ``code`` (AMP112, AMP103, or ``replay.SKIPPED``) in ``step``
+        (default: this one): re-run that step's forward with per-op checks before the optimizer
+        applies it, once per anomaly episode (``replay.py``)."""
+        if self.replayer is not None:
+            self.replayer.request(code, self.step_index if step is None else step)
 
     def step(self) -> None:
         """End the current training step by hand (for loops without optimizer or scaler)."""
@@ -248,6 +258,8 @@ class Guard:
             details=details or {},
             **message_fields,
         )
+        if self.replayer is not None:
+            self.replayer.observe(event)
         for guard in self._recorders():
             guard._record(event)
         self._apply_policy(event)

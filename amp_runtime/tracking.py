@@ -125,6 +125,12 @@ class ModuleTracker:
             return None
         return self._path(stack[-1], stack) or type(stack[-1]).__name__
 
+    def name_root(self, module: torch.nn.Module) -> None:
+        """Name ``module``'s submodules by their path below it, unless already named: a root
+        whose forward runs outside any module (the replay's, ``replay.py``)."""
+        for path, sub in module.named_modules():
+            self._names.setdefault(sub, path)
+
     def name_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` (running or not), or its class name when unknown."""
         return self._path(module, running_modules()) or type(module).__name__
