@@ -60,7 +60,10 @@ class Quality:
         )
 
     def table(self) -> str:
-        rows = ["| code | labelled | found | false alarms | precision | recall |", "|---|---|---|---|---|---|"]
+        rows = [
+            "| code | labelled | found | false alarms | precision | recall |",
+            "|---|---|---|---|---|---|",
+        ]
         for code in [*self.codes(), None]:
             tp, fp, fn = self._counts(code)
             rows.append(
@@ -125,7 +128,9 @@ def measure(root: Path = CORPUS) -> Quality:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("corpus", nargs="?", type=Path, default=CORPUS, help="labelled corpus folder")
+    parser.add_argument(
+        "corpus", nargs="?", type=Path, default=CORPUS, help="labelled corpus folder"
+    )
     parser.add_argument("--show-misses", action="store_true", help="list false alarms and misses")
     args = parser.parse_args(argv)
     quality = measure(args.corpus.resolve())
