@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, FrozenSet, Iterator, List, Optional
+from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 from astroid import nodes
 
@@ -119,7 +119,7 @@ class GradContext:
         self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
         self._training_scopes: Dict[nodes.NodeNG, bool] = {}
         self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
-        self._frozen_objects: Dict[nodes.NodeNG, FrozenSet[str]] = {}
+        self._frozen_objects: Dict[nodes.NodeNG, Tuple[FrozenSet[str], FrozenSet[str]]] = {}
 
     def no_grad_at(self, node: nodes.NodeNG) -> bool:
         """``node`` runs under no_grad / inference_mode / set_grad_enabled(False)."""
@@ -198,12 +198,12 @@ class GradContext:
         ``m.encode(x.half())``)."""
         while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
             expr = expr.parent.parent
-        objects = {_object_key(_assign_target(expr))}
+        objects = {object_key(assign_target(expr))}
         consumer = expr.parent
         if isinstance(consumer, nodes.Call) and expr in consumer.args:
-            objects.add(_object_key(consumer.func))
+            objects.add(object_key(consumer.func))
             if isinstance(consumer.func, nodes.Attribute):
-                objects.add(_object_key(consumer.func.expr))
+                objects.add(object_key(consumer.func.expr))
         link = expr
         while True:
             if isinstance(link, nodes.Attribute) and link.attrname == "data":
@@ -213,27 +213,35 @@ class GradContext:
             if _is_detach(link) or _freezes(link):
                 return True
             link = link.func.expr
-        objects.add(_object_key(link))
+        objects.add(object_key(link))
         frozen = self._frozen_in(expr.frame())
         return any(key in frozen for key in objects if key)
 
     def _frozen_in(self, scope: nodes.NodeNG) -> FrozenSet[str]:
         """Objects (as source text) that ``scope`` freezes and never trains: no
         ``m.train()``, no ``train_one_epoch(m, ...)``, no ``AdamW(m.parameters())``."""
+        return self._freezing(scope)[0]
+
+    def trained_in(self, scope: nodes.NodeNG) -> FrozenSet[str]:
+        """Objects (as source text) that ``scope`` trains: ``m.train()``,
+        ``train_one_epoch(m, ...)``, ``AdamW(m.parameters())``."""
+        return self._freezing(scope)[1]
+
+    def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str]]:
         if scope not in self._frozen_objects:
             frozen, trained = set(), set()
             for node in scope_nodes(scope):
                 if _chain_call(node) and _freezes(node):
                     frozen.add(node.func.expr.as_string())
                 elif isinstance(node, nodes.Call) and _freezing_helper(node):
-                    frozen.update(_object_key(_parameters_owner(arg)) for arg in node.args)
+                    frozen.update(object_key(_parameters_owner(arg)) for arg in node.args)
                 elif _chain_call(node) and node.func.attrname == "train":
                     trained.add(node.func.expr.as_string())
                 elif isinstance(node, nodes.Call):
                     trained.update(_trained_arguments(node))
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
                     frozen.add(node.iter.func.expr.as_string())
-            self._frozen_objects[scope] = frozenset(frozen - trained)
+            self._frozen_objects[scope] = (frozenset(frozen - trained), frozenset(trained))
         return self._frozen_objects[scope]
 
     def not_training_at(self, node: nodes.NodeNG) -> bool:
@@ -322,7 +330,7 @@ def _trained_arguments(call: nodes.Call) -> Iterator[str]:
     for arg in call.args:
         owner = _parameters_owner(arg)
         if owner is not arg or training:
-            yield _object_key(owner)
+            yield object_key(owner)
 
 
 def _parameters_owner(arg: nodes.NodeNG) -> nodes.NodeNG:
@@ -348,7 +356,7 @@ def _freezes_parameters(loop: nodes.For) -> bool:
     return False
 
 
-def _assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+def assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     """``t`` in ``t = expr`` (a name or attribute), if ``expr`` is assigned to one."""
     parent = expr.parent
     if isinstance(parent, nodes.Assign) and parent.value is expr and len(parent.targets) == 1:
@@ -356,11 +364,11 @@ def _assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     return None
 
 
-def _object_key(expr: Optional[nodes.NodeNG]) -> str:
+def object_key(expr: Optional[nodes.NodeNG]) -> str:
     """``teacher`` / ``self.teacher`` as written (assignment targets included); '' else."""
     if isinstance(expr, (nodes.Name, nodes.AssignName)):
         return expr.name
     if isinstance(expr, (nodes.Attribute, nodes.AssignAttr)):
-        base = _object_key(expr.expr)
+        base = object_key(expr.expr)
         return f"{base}.{expr.attrname}" if base else ""
     return ""

@@ -16,7 +16,15 @@ from typing import Dict, FrozenSet, Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import Callee, assigned_value, keyword_value, last_part
+from flake8_amp.analysis.constants import numeric_constant
+from flake8_amp.analysis.names import (
+    Callee,
+    assigned_value,
+    keyword_value,
+    last_part,
+    method_call,
+    unpacked_value,
+)
 from flake8_amp.analysis.regions import BF16, CPU, FP16, Region
 
 FP32, LOW, INT = "fp32", "low", "int"
@@ -50,6 +58,8 @@ TENSOR_TYPES: Dict[str, str] = {
     "BoolTensor": INT,
     "ByteTensor": INT,
 }
+#: ``torch.float16`` spelled as a string (``x.type("torch.cuda.HalfTensor")``), less prefixes.
+DTYPE_STRINGS: Dict[str, str] = {"float16": FP16, "half": FP16, "bfloat16": BF16, "float32": FP32}
 CAST_METHODS: Dict[str, str] = {
     "half": FP16,
     "bfloat16": BF16,
@@ -100,6 +110,14 @@ LOW_PRECISION_MODULES: FrozenSet[str] = frozenset(
     for name in """Linear Bilinear LazyLinear Conv1d Conv2d Conv3d
     ConvTranspose1d ConvTranspose2d ConvTranspose3d""".split()
 )
+#: Methods converting to the dtype named by (or of) their argument.
+CONVERSIONS = frozenset({"to", "type", "type_as"})
+#: Ops returning ``(values, indices)``: values keep the input's dtype.
+VALUES_AND_INDICES: FrozenSet[str] = frozenset(
+    "topk max min sort kthvalue mode median nanmedian cummax cummin".split()
+)
+#: Calls returning Python numbers (sizes, counts, math), which take a tensor's dtype.
+NUMBER_CALLS = frozenset({"len", "float", "int", "item", "size", "numel", "dim"})
 _ARITHMETIC = frozenset({"+", "-", "*", "/"})
 _MAX_DEPTH = 12
 
@@ -123,18 +141,48 @@ class Dtypes:
         self._cache: Dict[nodes.NodeNG, Optional[str]] = {}
 
     def constant(self, expr: Optional[nodes.NodeNG]) -> Optional[str]:
-        """The kind a dtype expression names (``torch.float16`` -> "fp16"); None if unknown."""
+        """The kind a dtype expression names (``torch.float16``, ``"torch.cuda.HalfTensor"``,
+        a name bound to either) -> "fp16"; None if unknown."""
         if expr is None:
             return None
         if isinstance(expr, nodes.Const) and isinstance(expr.value, str):
-            return {"float16": FP16, "half": FP16, "bfloat16": BF16, "float32": FP32}.get(
-                expr.value
-            )
+            name = expr.value.removeprefix("torch.").removeprefix("cuda.")
+            return DTYPE_STRINGS.get(name) or TENSOR_TYPES.get(name)
         qualname = self.names.qualname(expr) or ""
         if qualname in DTYPE_CONSTANTS:
             return DTYPE_CONSTANTS[qualname]
         if qualname.startswith("torch.") and last_part(qualname) in TENSOR_TYPES:
             return TENSOR_TYPES[last_part(qualname)]
+        if isinstance(expr, nodes.Name) and not qualname:
+            values = self.names.assigned_values(expr) or []
+            if len(values) == 1 and isinstance(values[0], nodes.Const):
+                return self.constant(values[0])
+        return None
+
+    def cast_target(self, call: nodes.Call) -> Optional[str]:
+        """The kind a conversion converts to: ``.half()``, ``.to(torch.float16)``, ``.to(device,
+        dtype=HALF)``, ``.type("torch.cuda.HalfTensor")``, ``.to(other)`` / ``.type_as(other)``
+        for a tensor of known dtype; None for moves (``.to(device)``) and other calls."""
+        method, receiver = method_call(call)
+        if receiver is None:
+            return None
+        if method in CAST_METHODS:
+            return CAST_METHODS[method] if not call.args and not call.keywords else None
+        if method not in CONVERSIONS:
+            return None
+        if method == "type_as":
+            return self.of(call.args[0]) if len(call.args) == 1 else None
+        dtype = keyword_value(call, "dtype") or keyword_value(call, "dst_type")
+        if dtype is not None:
+            return self.constant(dtype)
+        for arg in call.args:
+            if method == "to" and isinstance(arg, nodes.Const):
+                continue  # strings given to ``.to`` are devices
+            kind = self.constant(arg)
+            if kind is None and method == "to" and not _is_device(arg):
+                kind = self.of(arg)  # ``x.to(other)``: other's dtype (and device)
+            if kind is not None:
+                return kind
         return None
 
     def of(self, expr: nodes.NodeNG) -> Optional[str]:
@@ -171,20 +219,30 @@ class Dtypes:
 
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
         statement = name.statement()
-        values = []
-        for binding in self.names.bindings(name):
+        kinds = set()
+        for binding in self.names.reaching_bindings(name):
             if binding.statement() is statement:
                 continue  # ``x = x.half()``: the right-hand ``x`` is the earlier value
-            values.append(binding)
-        if not values:
-            return None
-        kinds = set()
-        for binding in values:
             value = assigned_value(binding)
-            if value is None:
+            kinds.add(
+                self._of(value, depth) if value is not None else self._unpacked(binding, depth)
+            )
+            if None in kinds:
                 return None
-            kinds.add(self._of(value, depth))
         return kinds.pop() if len(kinds) == 1 else None
+
+    def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
+        """``a, b = x.half(), y`` (the element) or ``top, idx = x.topk(k)`` (x's dtype, ints)."""
+        unpacked = unpacked_value(binding)
+        if unpacked is None:
+            return None
+        value, index = unpacked
+        if isinstance(value, (nodes.Tuple, nodes.List)):
+            return self._of(value.elts[index], depth)
+        method, receiver = method_call(value) if isinstance(value, nodes.Call) else ("", None)
+        if method in VALUES_AND_INDICES and receiver is not None and index < 2:
+            return INT if index == 1 else self._of(receiver, depth)
+        return None
 
     def _binop(self, expr: nodes.BinOp, depth: int) -> Optional[str]:
         if expr.op == "@":
@@ -196,19 +254,41 @@ class Dtypes:
         return self._promote(expr.left, expr.right, depth)
 
     def _promote(self, left: nodes.NodeNG, right: nodes.NodeNG, depth: int) -> Optional[str]:
-        """Type promotion of a binary op; Python numbers take the tensor's dtype."""
-        if _is_number(left):
+        """Type promotion of a binary op: Python numbers take the tensor's dtype; fp32 wins
+        over any other operand (taken to be a tensor of the same or a narrower dtype)."""
+        if self._is_number(left):
             return self._of(right, depth)
-        if _is_number(right):
+        if self._is_number(right):
             return self._of(left, depth)
         kinds = {self._of(left, depth), self._of(right, depth)}
+        if FP32 in kinds:
+            return FP32
         if None in kinds:
             return None
         if len(kinds) == 1:
             return kinds.pop()
-        if FP32 in kinds:
-            return FP32
+        if INT in kinds:
+            return (kinds - {INT}).pop()
         return FP32 if kinds == {FP16, BF16} else None
+
+    def _is_number(self, expr: nodes.NodeNG) -> bool:
+        """A Python number (or 0-dim tensor of one): a literal, a name bound to numbers, a
+        parameter defaulting to one (``temperature=0.05``), sizes, ``len()``, ``math.*``."""
+        if numeric_constant(expr, self.names) is not None:
+            return True
+        if isinstance(expr, nodes.Name):
+            default = self.names.parameter_default(expr)
+            return default is not None and numeric_constant(default, self.names) is not None
+        if isinstance(expr, nodes.Subscript):
+            return isinstance(expr.value, nodes.Attribute) and expr.value.attrname == "shape"
+        if isinstance(expr, nodes.BinOp):
+            return self._is_number(expr.left) and self._is_number(expr.right)
+        if isinstance(expr, nodes.Call):
+            if isinstance(expr.func, nodes.Name) and not self.names.bindings(expr.func):
+                return expr.func.name in NUMBER_CALLS  # a builtin
+            qualname = self.names.qualname(expr.func) or ""
+            return qualname.startswith("math.") or method_call(expr)[0] in NUMBER_CALLS
+        return False
 
     def _call(self, call: nodes.Call, depth: int) -> Optional[str]:
         explicit = self.constant(keyword_value(call, "dtype"))
@@ -241,20 +321,12 @@ class Dtypes:
         method = func.attrname
         if method in CAST_METHODS and not call.args:
             return CAST_METHODS[method]
-        if method == "to":
-            return self._to(call, func, depth)
-        if method == "type" and call.args:
-            return self.constant(call.args[0])
+        if method in CONVERSIONS:
+            target = self.cast_target(call)
+            if target is None and method == "to" and all(_is_device(a) for a in call.args):
+                return self._of(func.expr, depth)
+            return target
         return self._op(call, method, self._of(func.expr, depth))
-
-    def _to(self, call: nodes.Call, func: nodes.Attribute, depth: int) -> Optional[str]:
-        for arg in call.args:
-            kind = self.constant(arg)
-            if kind is not None:
-                return kind
-        if all(_is_device(arg) for arg in call.args):
-            return self._of(func.expr, depth)
-        return None
 
     def _op(self, call: nodes.Call, op: str, input_kind: Optional[str]) -> Optional[str]:
         if op in LOW_PRECISION_OPS or op in CUDA_FP32_OPS or op in CPU_FP32_OPS:
@@ -266,25 +338,17 @@ class Dtypes:
     def _autocast_output(
         self, node: nodes.NodeNG, op: str, input_kind: Optional[str]
     ) -> Optional[str]:
-        """Output kind of ``op`` at ``node``: autocast's choice in a region, else the input's."""
+        """Output kind of ``op`` at ``node``: autocast's choice in a region (one enabled by a
+        flag counts as on: kinds describe the program with mixed precision on), else the
+        input's."""
         region = self.regions.autocast_at(node)
-        if region is None or region.enabled is None:
-            return input_kind if op not in LOW_PRECISION_OPS or region is None else None
+        if region is None:
+            return input_kind
         if op in LOW_PRECISION_OPS:
             return region.dtype or LOW
         if autocast_fp32_op(op, region):
             return FP32
         return input_kind
-
-
-def _is_number(expr: nodes.NodeNG) -> bool:
-    if isinstance(expr, nodes.UnaryOp):
-        expr = expr.operand
-    return (
-        isinstance(expr, nodes.Const)
-        and isinstance(expr.value, (int, float))
-        and not isinstance(expr.value, bool)
-    )
 
 
 def _is_device(arg: nodes.NodeNG) -> bool:

@@ -149,6 +149,16 @@ class Names:
         start, end = _position(last), _position(name)
         return [b for b in bindings if b is last or start < _position(b) < end]
 
+    def parameter_default(self, name: nodes.Name) -> Optional[nodes.NodeNG]:
+        """The default value of the parameter ``name`` is bound by (and nothing else), if any."""
+        bindings = self.bindings(name)
+        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
+            return None
+        try:
+            return bindings[0].parent.default_value(name.name)
+        except Exception:  # astroid's NoDefault
+            return None
+
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
         is not a plain ``name = value`` (parameters, loops, unpacking, imports...)."""
@@ -440,6 +450,22 @@ def assigned_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     return None
 
 
+def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
+    """For ``a, b = value``: ``(value, position of binding)``; None for other bindings and
+    for unpacking with a starred target."""
+    target = binding.parent
+    statement = target.parent if isinstance(target, (nodes.Tuple, nodes.List)) else None
+    if not isinstance(statement, nodes.Assign) or target not in statement.targets:
+        return None
+    if any(isinstance(element, nodes.Starred) for element in target.elts):
+        return None
+    position = target.elts.index(binding)
+    value = statement.value
+    if isinstance(value, (nodes.Tuple, nodes.List)) and len(value.elts) != len(target.elts):
+        return None
+    return value, position
+
+
 def is_self(expr: nodes.NodeNG) -> bool:
     """``expr`` is the first parameter of the method it appears in (``self``)."""
     if not isinstance(expr, nodes.Name):
@@ -473,6 +499,11 @@ def simple_name(expr: nodes.NodeNG) -> str:
     if isinstance(expr, nodes.Attribute):
         return expr.attrname
     return ""
+
+
+def attribute_not_in(func: nodes.NodeNG, names: frozenset) -> bool:
+    """``func`` is ``x.<name>`` with a name outside ``names`` (bare names may be aliases)."""
+    return isinstance(func, nodes.Attribute) and func.attrname not in names
 
 
 def keyword_value(call: nodes.Call, name: str) -> Optional[nodes.NodeNG]:

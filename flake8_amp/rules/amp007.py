@@ -17,9 +17,16 @@ from typing import Optional, Tuple
 
 from astroid import nodes
 
+from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
-from flake8_amp.analysis.names import call_argument, is_self, last_part, method_call
+from flake8_amp.analysis.names import (
+    attribute_not_in,
+    call_argument,
+    is_self,
+    last_part,
+    method_call,
+)
 from flake8_amp.analysis.scaler import expression_key
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
@@ -61,96 +68,6 @@ INDEX_NAME_WORDS = frozenset(
 #: Tensor methods whose result is a numpy array or a Python list.
 TO_PYTHON_METHODS = frozenset({"numpy", "tolist"})
 CONTAINER_FACTORIES = frozenset({"collections.defaultdict", "collections.OrderedDict"})
-#: ``torch.finfo`` of these is far beyond fp16's range (fp32's max is used for all of them).
-WIDE_DTYPES = frozenset({"torch.float32", "torch.float", "torch.float64", "torch.double"})
-FP32_MAX = 3.4028234663852886e38
-_MAX_DEPTH = 6
-_MAX_EXPONENT = 1024
-
-
-def numeric_constant(expr: Optional[nodes.NodeNG], names, _depth: int = 0) -> Optional[float]:
-    """The number ``expr`` always evaluates to: literals, ``-1e9``, ``-2 ** 32 + 1``,
-    ``torch.finfo(torch.float32).min``, and names or ``self`` attributes bound only to such
-    numbers; None otherwise."""
-    if expr is None or _depth > _MAX_DEPTH:
-        return None
-    if isinstance(expr, nodes.Const):
-        value = expr.value
-        return (
-            float(value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            else None
-        )
-    if isinstance(expr, nodes.UnaryOp) and expr.op in ("-", "+"):
-        operand = numeric_constant(expr.operand, names, _depth + 1)
-        return None if operand is None else (-operand if expr.op == "-" else operand)
-    if (
-        isinstance(expr, nodes.Call)
-        and isinstance(expr.func, nodes.Name)
-        and expr.func.name == "float"
-    ):
-        return _float_call(expr, names, _depth)
-    if isinstance(expr, nodes.Attribute) and expr.attrname in ("min", "max"):
-        limit = _fp32_finfo_limit(expr.expr, names)
-        if limit is not None:
-            return -limit if expr.attrname == "min" else limit
-    if isinstance(expr, nodes.BinOp):
-        return _fold(
-            expr.op,
-            numeric_constant(expr.left, names, _depth + 1),
-            numeric_constant(expr.right, names, _depth + 1),
-        )
-    if isinstance(expr, nodes.Name):
-        values = names.assigned_values(expr)
-    elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-        values = names.self_attribute_values(expr)
-    else:
-        return None
-    found = {numeric_constant(value, names, _depth + 1) for value in values or ()}
-    return found.pop() if len(found) == 1 else None
-
-
-def _float_call(call: nodes.Call, names, depth: int) -> Optional[float]:
-    """``float(-1e9)`` or ``float("-1e9")`` (``float("-inf")`` is not finite: callers skip it)."""
-    if len(call.args) != 1 or call.keywords or names.bindings(call.func):
-        return None  # not the builtin, or not one argument
-    arg = call.args[0]
-    if isinstance(arg, nodes.Const) and isinstance(arg.value, str):
-        try:
-            return float(arg.value)
-        except ValueError:
-            return None
-    return numeric_constant(arg, names, depth + 1)
-
-
-def _fp32_finfo_limit(expr: nodes.NodeNG, names) -> Optional[float]:
-    """fp32's largest value for ``torch.finfo(torch.float32)`` (or wider dtypes: no less)."""
-    if (
-        not isinstance(expr, nodes.Call)
-        or len(expr.args) != 1
-        or names.qualname(expr.func) != "torch.finfo"
-    ):
-        return None
-    return FP32_MAX if names.qualname(expr.args[0]) in WIDE_DTYPES else None
-
-
-def _fold(op: str, left: Optional[float], right: Optional[float]) -> Optional[float]:
-    if left is None or right is None:
-        return None
-    try:
-        if op == "+":
-            return left + right
-        if op == "-":
-            return left - right
-        if op == "*":
-            return left * right
-        if op == "/":
-            return left / right
-        if op == "**" and abs(right) <= _MAX_EXPONENT:
-            return float(left**right)
-    except (ArithmeticError, TypeError):
-        return None
-    return None
 
 
 class Fp16OverflowLiteral(Check):
@@ -298,11 +215,6 @@ class Fp16OverflowLiteral(Check):
         if region is not None:
             return region.dtype != BF16
         return _in_model_code(node)
-
-
-def attribute_not_in(func: nodes.NodeNG, names: frozenset) -> bool:
-    """``func`` is ``x.<name>`` with a name outside ``names`` (bare names may be aliases)."""
-    return isinstance(func, nodes.Attribute) and func.attrname not in names
 
 
 def _keyed_by_string(subscript: nodes.Subscript) -> bool:

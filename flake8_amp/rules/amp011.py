@@ -14,12 +14,12 @@ from typing import Optional, Tuple
 
 from astroid import nodes
 
+from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.dtypes import FP16
-from flake8_amp.analysis.names import call_argument, method_call
+from flake8_amp.analysis.names import attribute_not_in, call_argument, method_call
 from flake8_amp.analysis.scaler import calls_in_order, expression_key
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from flake8_amp.engine import Check
-from flake8_amp.rules.amp007 import attribute_not_in, numeric_constant
 
 #: Default ``eps`` of the optimizers that divide by ``sqrt(v) + eps``.
 OPTIMIZER_DEFAULT_EPS = {
