@@ -115,6 +115,60 @@ class Names:
                 by_name.setdefault(name, []).append(call)
         return by_name
 
+    def local_function(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
+        """The function or method (``self.f(...)``) of this module that ``call`` calls."""
+        func = call.func
+        if isinstance(func, nodes.Name):
+            definitions = self.bindings(func)
+        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
+            owner = enclosing_class(call)
+            definitions = [m for m in owner.mymethods() if m.name == func.attrname] if owner else []
+        else:
+            return None
+        if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
+            return None
+        return definitions[0]
+
+    def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
+        """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its class."""
+        return [
+            call
+            for call in self.calls_by_name.get(function.name, ())
+            if self.local_function(call) is function
+        ]
+
+    def argument_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
+        """What the parameter ``name`` receives: the argument at every call site of its
+        function in this module (by position or keyword; the default where one is omitted).
+        None if it is not a parameter, has no call site, or a site passes ``*args``."""
+        bindings = self.bindings(name)
+        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
+            return None
+        arguments = bindings[0].parent
+        function = arguments.parent
+        sites = self.call_sites(function) if isinstance(function, nodes.FunctionDef) else []
+        if not sites:
+            return None
+        positional = [a.name for a in arguments.posonlyargs + arguments.args]
+        if sites and isinstance(sites[0].func, nodes.Attribute):
+            positional = positional[1:]  # ``self.f(...)`` binds ``self``
+        values = []
+        for call in sites:
+            if any(isinstance(a, nodes.Starred) for a in call.args) or any(
+                kw.arg is None for kw in call.keywords or ()
+            ):
+                return None
+            value = keyword_value(call, name.name)
+            if value is None and name.name in positional:
+                index = positional.index(name.name)
+                value = call.args[index] if index < len(call.args) else None
+            if value is None:
+                value = self.parameter_default(name)
+            if value is None:
+                return None
+            values.append(value)
+        return values
+
     # -- assignments -------------------------------------------------------------------
 
     def bindings(self, name: nodes.Name) -> List[nodes.NodeNG]:

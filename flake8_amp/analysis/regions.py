@@ -15,7 +15,7 @@ merely named ``ctx`` is not autocast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Set
 
 from astroid import nodes
@@ -23,7 +23,6 @@ from astroid import nodes
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import (
     Callee,
-    enclosing_class,
     is_self,
     keyword_value,
     last_part,
@@ -61,6 +60,9 @@ class Region:
     device: Optional[str]
     #: "fp16", "bf16", or None when unknown.
     dtype: Optional[str]
+    #: The autocast expression where its arguments are written (the ``torch.autocast(...)``
+    #: call, the ``partial(...)`` holding ``dtype=``): the line to change.
+    source: Optional[nodes.NodeNG] = None
 
     @property
     def active(self) -> bool:
@@ -101,23 +103,9 @@ class Regions:
         """The active region that the same-module function ``call`` calls opens around its
         whole body (``@torch.autocast(...)`` on its ``def``): what it returns was made
         under autocast, wherever the call is."""
-        definition = self.called_function(call)
+        definition = self.names.local_function(call)
         region = self.opened_by(definition) if definition is not None else None
         return region if region is not None and region.active else None
-
-    def called_function(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        """The function or method (``self.f(...)``) of this module that ``call`` calls."""
-        func = call.func
-        if isinstance(func, nodes.Name):
-            definitions = self.names.bindings(func)
-        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
-            owner = enclosing_class(call)
-            definitions = [m for m in owner.mymethods() if m.name == func.attrname] if owner else []
-        else:
-            return None
-        if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
-            return None
-        return definitions[0]
 
     def spec(self, expr: nodes.NodeNG) -> Optional[Region]:
         """The region the context-manager expression ``expr`` would open, if autocast."""
@@ -159,26 +147,14 @@ class Regions:
         return inherited
 
     def _call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
-        calls_by_name = self.names.calls_by_name
+        sites = self.names.call_sites(function)
         owner = function.parent
-        sites = []
-        for call in calls_by_name.get(function.name, ()):
-            func = call.func
-            if isinstance(owner, nodes.ClassDef):
-                if (
-                    isinstance(func, nodes.Attribute)
-                    and is_self(func.expr)
-                    and enclosing_class(call) is owner
-                ):
-                    sites.append(call)
-            elif isinstance(func, nodes.Name) and function in self.names.bindings(func):
-                sites.append(call)
         if function.name == "forward" and isinstance(owner, nodes.ClassDef):
             # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module
             # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``).
             sites.extend(
                 call
-                for calls in calls_by_name.values()
+                for calls in self.names.calls_by_name.values()
                 for call in calls
                 if self.names.local_class(call.func) is owner
             )
@@ -206,7 +182,7 @@ class Regions:
     def _custom_fwd(self, decorator: nodes.NodeNG, owner: nodes.NodeNG) -> Optional[Region]:
         if isinstance(decorator, nodes.Call) and self.names.qualname(decorator.func) in CUSTOM_FWD:
             if any(kw.arg == "cast_inputs" for kw in decorator.keywords or ()):
-                return Region(owner, False, None, None)
+                return Region(owner, False, None, None, decorator)
         return None
 
     def _spec(self, expr: nodes.NodeNG, owner: nodes.NodeNG, depth: int) -> Optional[Region]:
@@ -226,13 +202,14 @@ class Regions:
                 # A decorator such as ``@torch.autocast`` is not a region without a call.
                 if _is_decorator(expr):
                     return None
-                return Region(owner, _wrapper_enabled(simple_name(expr), None), None, None)
+                return Region(owner, _wrapper_enabled(simple_name(expr), None), None, None, expr)
         return None
 
     def _values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
-        """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned."""
+        """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned, or what
+        a parameter (``def train(..., amp_ctx)``) receives at its call sites."""
         if isinstance(expr, nodes.Name):
-            return self.names.assigned_values(expr)
+            return self.names.assigned_values(expr) or self.names.argument_values(expr)
         if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
             return self.names.self_attribute_values(expr)
         return None
@@ -278,7 +255,7 @@ class Regions:
         if not found:
             return None
         if len(found) == len(regions) and len({(r.enabled, r.device, r.dtype) for r in found}) == 1:
-            return Region(owner, found[0].enabled, found[0].device, found[0].dtype)
+            return replace(found[0], node=owner)
         devices = {r.device for r in found}
         dtypes = {r.dtype for r in found}
         return Region(
@@ -286,6 +263,7 @@ class Regions:
             False if all(r.enabled is False for r in found) else None,
             devices.pop() if len(devices) == 1 else None,
             dtypes.pop() if len(dtypes) == 1 else None,
+            found[0].source,
         )
 
     def _factory_spec(
@@ -306,10 +284,12 @@ class Regions:
             bound.args + tuple(call.args),
             bound.keywords + tuple(call.keywords or ()),
         )
+        written = value if isinstance(value, nodes.Call) else call
         if callee.qualname in AUTOCAST_FUNCTIONS:
-            return _torch_autocast_region(callee, owner, self.names)
+            return _torch_autocast_region(callee, owner, self.names, written)
         if callee.qualname in self._extra_qualnames:
-            return Region(owner, _literal_enabled(callee.keyword("enabled"), None), None, None)
+            enabled = _literal_enabled(callee.keyword("enabled"), None)
+            return Region(owner, enabled, None, None, written)
         return None
 
     def _is_null_context(self, value: Optional[nodes.NodeNG]) -> bool:
@@ -323,9 +303,10 @@ class Regions:
         callee = self.names.callee(call)
         if callee is not None and not callee.instance:
             if callee.qualname in AUTOCAST_FUNCTIONS:
-                return _torch_autocast_region(callee, owner, self.names)
+                return _torch_autocast_region(callee, owner, self.names, call)
             if callee.qualname in self._extra_qualnames:
-                return Region(owner, _literal_enabled(callee.keyword("enabled"), None), None, None)
+                enabled = _literal_enabled(callee.keyword("enabled"), None)
+                return Region(owner, enabled, None, None, call)
         elif callee is None:
             values = self._values(call.func)
             region = self._alternatives(values, owner, depth, called=call) if values else None
@@ -337,7 +318,7 @@ class Regions:
         name = simple_name(call.func)
         if name in self._extra_names or "autocast" in name.lower():
             enabled = _literal_enabled(keyword_value(call, "enabled"), None)
-            return Region(owner, _wrapper_enabled(name, enabled), None, None)
+            return Region(owner, _wrapper_enabled(name, enabled), None, None, call)
         return None
 
 
@@ -347,8 +328,11 @@ def returned_values(function: nodes.FunctionDef) -> Optional[List[nodes.NodeNG]]
     return returns if returns and all(v is not None for v in returns) else None
 
 
-def _torch_autocast_region(callee: Callee, owner: nodes.NodeNG, names) -> Region:
-    """Device, dtype and enabled of a ``torch.autocast``-family call."""
+def _torch_autocast_region(
+    callee: Callee, owner: nodes.NodeNG, names, call: nodes.Call
+) -> Region:
+    """Device, dtype and enabled of a ``torch.autocast``-family ``call`` (its source is the
+    call, or the ``partial(...)`` that wrote its ``dtype=``)."""
     if callee.qualname.startswith("torch.cuda."):
         device: Optional[str] = CUDA
         enabled_node, dtype_node = callee.argument(0, "enabled"), callee.argument(1, "dtype")
@@ -363,7 +347,9 @@ def _torch_autocast_region(callee: Callee, owner: nodes.NodeNG, names) -> Region
         dtype = _DEFAULT_DTYPE.get(device or "")
     else:
         dtype = _DTYPE_NAMES.get(names.qualname(dtype_node) or "")
-    return Region(owner, _literal_enabled(enabled_node, True), device, dtype)
+    written = dtype_node.parent if dtype_node is not None else call
+    source = written.parent if isinstance(written, nodes.Keyword) else written
+    return Region(owner, _literal_enabled(enabled_node, True), device, dtype, source)
 
 
 def _wrapper_enabled(name: str, enabled: Optional[bool]) -> Optional[bool]:

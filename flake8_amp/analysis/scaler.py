@@ -463,7 +463,7 @@ class ScalerAnalysis:
     def is_scaler_helper(self, call: nodes.Call) -> bool:
         """``call`` calls a function or method of this module that unscales, steps or updates
         a scaler itself (``self._unscale_grads()``): after it, anything may have happened."""
-        function = self._local_definition(call)
+        function = self.names.local_function(call)
         if function is None:
             return False
         if function not in self._helpers:
@@ -474,17 +474,6 @@ class ScalerAnalysis:
                 if receiver is not None
             )
         return self._helpers[function]
-
-    def _local_definition(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        func = call.func
-        if isinstance(func, nodes.Name):
-            found = [b for b in self.names.bindings(func) if isinstance(b, nodes.FunctionDef)]
-            return found[0] if len(found) == 1 else None
-        if isinstance(func, nodes.Attribute) and is_self(func.expr):
-            classdef = enclosing_class(call)
-            found = [m for m in classdef.mymethods() if m.name == func.attrname] if classdef else []
-            return found[0] if len(found) == 1 else None
-        return None
 
     def scaler_reaches(self, scope: nodes.NodeNG) -> bool:
         """An enabled ``GradScaler(...)`` built in this module can be used by ``scope``: it is

@@ -113,7 +113,7 @@ class LossOutsideAutocast(Check):
         core = _strip(value)
         if not isinstance(core, nodes.Call) or regions.called_region(core) is None:
             return False
-        returns = returned_values(regions.called_function(core)) or []
+        returns = returned_values(self.context.names.local_function(core)) or []
         return any(self.context.dtypes.of(v) not in (FP32, INT) for v in returns)
 
     def _forward_output(self, value: nodes.NodeNG) -> bool:

@@ -35,8 +35,6 @@ OPTIMIZER_NAMES = frozenset(qualname.rsplit(".", 1)[-1] for qualname in OPTIMIZE
 ADD_METHODS = frozenset({"add", "add_"})
 CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"})
 CLAMP_FUNCTIONS = frozenset({"torch.clamp", "torch.clip", "torch.clamp_min"})
-#: Methods that cast a model in place (``.to(device)`` too, but its dtype is unknown).
-CASTS = frozenset({"half", "bfloat16", "float", "double", "to", "type"})
 #: A literal of 1e-8 or smaller somewhere in the source (``1e-8``, ``1E-10``, ``1e-08``).
 TINY_LITERAL = re.compile(r"\d[eE]-0?(?:[89]|[1-9]\d)")
 
@@ -53,7 +51,10 @@ class TinyEpsilon(Check):
 
     @classmethod
     def applies(cls, source, options):
-        return super().applies(source, options) and TINY_LITERAL.search(source) is not None
+        """A tiny literal, or an optimizer whose default eps is tiny (``Adam(params)``)."""
+        return super().applies(source, options) and (
+            TINY_LITERAL.search(source) is not None or any(n in source for n in OPTIMIZER_NAMES)
+        )
 
     def visit_binop(self, node: nodes.BinOp) -> None:
         if node.op != "+":
@@ -126,9 +127,9 @@ class TinyEpsilon(Check):
         for call in calls_in_order(node.scope()):
             if call is node:
                 break
-            method, receiver = method_call(call)
-            if method in CASTS and expression_key(receiver) == key:
-                last_cast = self.context.dtypes.of(call) or last_cast
+            receiver = method_call(call)[1]
+            if receiver is not None and expression_key(receiver) == key:
+                last_cast = self.context.dtypes.cast_target(call) or last_cast
         return last_cast == FP16
 
 
