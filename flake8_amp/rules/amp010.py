@@ -6,16 +6,21 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
   (``loss_scaler(loss, optimizer)``) and that no ``GradScaler`` of the file can reach
   (one kept in another function's local variable cannot);
 - a bf16 region in a function that scales its backward with a scaler that is built
-  enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine).
-The finding is reported where the region is opened.
+  enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine),
+  when every function scaling a backward with that scaler runs bf16 regions only.
+Each finding sits on the line to change: the ``GradScaler(...)`` construction to delete for
+bf16; for fp16, the autocast expression that names the dtype (``torch.autocast(...)``, or
+the ``ctx = torch.autocast(...) if args.amp else nullcontext()`` that ``with ctx:`` uses).
+A backward of a manually scaled loss (``(loss * 1024.0).backward()``) is not plain.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from astroid import nodes
 
+from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import method_call, names_in
 from flake8_amp.analysis.regions import BF16, FP16, Region
 from flake8_amp.analysis.scaler import (
@@ -37,6 +42,12 @@ class ScalerDtypeMismatch(Check):
     def applies(cls, source, options):
         return mentions_autocast(source, options)
 
+    def __init__(self, context, findings):
+        super().__init__(context, findings)
+        #: Enabled ``GradScaler(...)`` calls -> dtypes of the regions of the functions that
+        #: scale a backward with them.
+        self._scaler_uses: Dict[nodes.Call, Set[Optional[str]]] = {}
+
     def visit_module(self, node: nodes.Module) -> None:
         self._check_scope(node)
 
@@ -45,18 +56,33 @@ class ScalerDtypeMismatch(Check):
 
     def _check_scope(self, scope: nodes.NodeNG) -> None:
         entries = list(self._region_entries(scope))
-        fp16 = [opener for opener, region in entries if region.dtype == FP16]
-        bf16 = [opener for opener, region in entries if region.dtype == BF16]
+        fp16 = [(opener, region) for opener, region in entries if region.dtype == FP16]
         if fp16 and self._has_plain_backward(scope) and not self._mentions_scaler(scope):
+            opener, region = fp16[0]
             self.report(
-                fp16[0],
+                region.source or opener,
                 detail="fp16 autocast and backward() with no GradScaler: "
                 "small gradients flush to zero",
             )
-        if bf16 and self._scales_with_enabled_scaler(scope):
-            self.report(
-                bf16[0], detail="GradScaler used with bf16 autocast, which needs no loss scaling"
-            )
+        if entries:
+            self._record_scaler_uses(scope, {region.dtype for _, region in entries})
+
+    def _record_scaler_uses(self, scope: nodes.NodeNG, dtypes: Set[Optional[str]]) -> None:
+        flow = scaler_analysis(self.context).flow(scope)
+        if not flow.scaled_backwards:
+            return
+        for scaler in flow.scalers.values():
+            if scaler.surely_enabled:
+                for construction in scaler.constructions:
+                    self._scaler_uses.setdefault(construction, set()).update(dtypes)
+
+    def finish(self) -> None:
+        for construction, dtypes in self._scaler_uses.items():
+            if dtypes == {BF16}:
+                self.report(
+                    construction,
+                    detail="GradScaler used with bf16 autocast, which needs no loss scaling",
+                )
 
     def _region_entries(self, scope: nodes.NodeNG) -> Iterator[Tuple[nodes.NodeNG, Region]]:
         """``(expression that opens it, region)`` for each active region opened in ``scope``."""
@@ -73,21 +99,30 @@ class ScalerDtypeMismatch(Check):
                     yield expr, region
 
     def _has_plain_backward(self, scope: nodes.NodeNG) -> bool:
-        """An unscaled ``tensor.backward()`` (wrappers take the loss: ``engine.backward(loss)``)."""
+        """An unscaled backward: ``loss.backward()`` or ``torch.autograd.backward(loss)``, not of
+        ``scaler.scale(loss)`` or a manually scaled loss (wrappers take the loss as an
+        argument: ``engine.backward(loss)``)."""
         for call in calls_in_order(scope):
             if self.context.names.qualname(call.func) in AUTOGRAD_BACKWARD:
+                tensor = call.args[0] if call.args else None
+            else:
+                method, tensor = method_call(call)
+                if method != "backward" or call.args:
+                    continue
+            if tensor is not None and not self._manually_scaled(tensor):
                 return True
-            method, receiver = method_call(call)
-            if method == "backward" and not call.args:
-                if not any("scale" in word.lower() for word in names_in([receiver])):
-                    return True
         return False
 
-    def _scales_with_enabled_scaler(self, scope: nodes.NodeNG) -> bool:
-        flow = scaler_analysis(self.context).flow(scope)
-        return bool(flow.scaled_backwards) and any(
-            scaler.surely_enabled for scaler in flow.scalers.values()
-        )
+    def _manually_scaled(self, tensor: nodes.NodeNG) -> bool:
+        """``scaler.scale(loss)``, ``loss * loss_scale`` or ``loss * 1024.0``."""
+        if any("scale" in word.lower() for word in names_in([tensor])):
+            return True
+        if isinstance(tensor, nodes.BinOp) and tensor.op == "*":
+            for operand in (tensor.left, tensor.right):
+                factor = numeric_constant(operand, self.context.names)
+                if factor is not None and factor > 1:
+                    return True
+        return False
 
     def _mentions_scaler(self, scope: nodes.NodeNG) -> bool:
         """The function uses or names a scaler (``loss_scaler``...), or a ``GradScaler`` of the
