@@ -79,7 +79,9 @@ PRESERVING: FrozenSet[str] = frozenset(
     select index_select gather masked_fill masked_fill_ where flip roll chunk split
     relu gelu silu tanh sigmoid clamp clamp_ clip sqrt square sin cos dropout pad
     cuda cpu pin_memory requires_grad_ add add_ sub sub_ mul mul_ div div_ maximum minimum
-    max min amax amin cat stack concat mean var std nanmean median logsumexp""".split()
+    max min amax amin cat stack concat mean var std nanmean median logsumexp interpolate
+    avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d
+    adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -256,9 +258,9 @@ class Dtypes:
     def _promote(self, left: nodes.NodeNG, right: nodes.NodeNG, depth: int) -> Optional[str]:
         """Type promotion of a binary op: Python numbers take the tensor's dtype; fp32 wins
         over any other operand (taken to be a tensor of the same or a narrower dtype)."""
-        if self._is_number(left):
+        if self.is_number(left):
             return self._of(right, depth)
-        if self._is_number(right):
+        if self.is_number(right):
             return self._of(left, depth)
         kinds = {self._of(left, depth), self._of(right, depth)}
         if FP32 in kinds:
@@ -271,7 +273,7 @@ class Dtypes:
             return (kinds - {INT}).pop()
         return FP32 if kinds == {FP16, BF16} else None
 
-    def _is_number(self, expr: nodes.NodeNG) -> bool:
+    def is_number(self, expr: nodes.NodeNG) -> bool:
         """A Python number (or 0-dim tensor of one): a literal, a name bound to numbers, a
         parameter defaulting to one (``temperature=0.05``), sizes, ``len()``, ``math.*``."""
         if numeric_constant(expr, self.names) is not None:
@@ -282,7 +284,7 @@ class Dtypes:
         if isinstance(expr, nodes.Subscript):
             return isinstance(expr.value, nodes.Attribute) and expr.value.attrname == "shape"
         if isinstance(expr, nodes.BinOp):
-            return self._is_number(expr.left) and self._is_number(expr.right)
+            return self.is_number(expr.left) and self.is_number(expr.right)
         if isinstance(expr, nodes.Call):
             if isinstance(expr.func, nodes.Name) and not self.names.bindings(expr.func):
                 return expr.func.name in NUMBER_CALLS  # a builtin
