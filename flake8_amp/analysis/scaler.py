@@ -39,6 +39,8 @@ GRAD_SCALERS = frozenset(
     }
 )
 
+AUTOGRAD_BACKWARD = frozenset({"torch.autograd.backward"})
+
 #: Phases of the gradients of the current iteration, along one path.
 SCALED = "scaled"  # a scaled backward ran; gradients are multiplied by the loss scale
 UNSCALED = "unscaled"  # scaler.unscale_(optimizer) ran after it
@@ -105,7 +107,8 @@ class PathState:
 
     #: None (no scaled gradients pending), SCALED, UNSCALED or HELPED.
     phase: Optional[str] = None
-    #: Keys of optimizers ``scaler.step`` has stepped since the last scaled backward.
+    #: Keys of optimizers ``scaler.step`` has stepped since the last backward, updated or
+    #: not: a plain step of one of them steps the same gradients again.
     stepped: FrozenSet[str] = frozenset()
     #: ``scaler.step(...)`` calls not yet followed by ``scaler.update()`` on this path.
     pending_steps: FrozenSet[nodes.Call] = frozenset()
@@ -192,7 +195,8 @@ class ScalerFlow:
         return frozenset(state.phase for state in self.states_before.get(call, ()))
 
     def stepped_before(self, call: nodes.Call, optimizer_key: str) -> bool:
-        """Every path to ``call`` already ran ``scaler.step(<optimizer_key>)``."""
+        """Every path to ``call`` already ran ``scaler.step(<optimizer_key>)`` since the last
+        backward (with or without ``scaler.update()`` after it)."""
         states = self.states_before.get(call, ())
         return bool(states) and all(optimizer_key in state.stepped for state in states)
 
@@ -341,18 +345,18 @@ class ScalerFlow:
 
     def _call(self, call: nodes.Call, states: States) -> States:
         method, receiver = method_call(call)
-        if method == "backward" and not call.args:
-            if any(self._is_scaled(receiver, state) for state in states):
+        backpropagated = backpropagated_tensor(call, self._analysis.names)
+        if backpropagated is not None:
+            if any(self._is_scaled(backpropagated, state) for state in states):
                 self.scaled_backwards.append(call)
-                return frozenset(
-                    (
-                        replace(state, phase=SCALED, stepped=frozenset())
-                        if self._is_scaled(receiver, state)
-                        else state
-                    )
-                    for state in states
+            return frozenset(
+                (
+                    replace(state, phase=SCALED, stepped=frozenset())
+                    if self._is_scaled(backpropagated, state)
+                    else replace(state, stepped=frozenset())
                 )
-            return states
+                for state in states
+            )
         if self.is_scaler(receiver):
             if method == "unscale_":
                 return frozenset(replace(state, phase=UNSCALED) for state in states)
@@ -381,8 +385,7 @@ class ScalerFlow:
         for state in states:
             self._updated_steps.update(state.pending_steps)
         return frozenset(
-            replace(state, phase=phase, stepped=frozenset(), pending_steps=frozenset())
-            for state in states
+            replace(state, phase=phase, pending_steps=frozenset()) for state in states
         )
 
     def _is_scaled(self, expr: Optional[nodes.NodeNG], state: PathState) -> bool:
@@ -394,6 +397,18 @@ class ScalerFlow:
             return self._is_scaled(expr.left, state) or self._is_scaled(expr.right, state)
         key = expression_key(expr) if expr is not None else None
         return key is not None and key in state.scaled_names
+
+
+def backpropagated_tensor(call: nodes.Call, names) -> Optional[nodes.NodeNG]:
+    """The tensor a backward call backpropagates: ``x`` in ``x.backward()`` or
+    ``torch.autograd.backward(x)``; None for other calls (wrappers such as
+    ``accelerator.backward(loss)`` included)."""
+    method, receiver = method_call(call)
+    if method != "backward":
+        return None
+    if not call.args:
+        return receiver
+    return call.args[0] if names.qualname(call.func) in AUTOGRAD_BACKWARD else None
 
 
 def _arguments(call: nodes.Call) -> Iterator[nodes.NodeNG]:

@@ -2,8 +2,10 @@
 
 Optimizers are recognised by their ``torch.optim`` class or by name (``optimizer``, ``opt_d``,
 ``self.optim``; not schedulers or EMA objects). A plain step is fine in the no-scaler arm of
-an ``if``, after a helper that received the scaler, for an optimizer built around the
-scaler, or when ``scaler.step`` already stepped it. A step whose function runs no backward is
+an ``if``, after a helper that received the scaler, and for an optimizer built around the
+scaler; after ``scaler.step`` stepped the same optimizer (with or without ``update()`` in
+between) it steps the same gradients a second time. ``torch.autograd.backward(
+scaler.scale(loss))`` is a scaled backward too. A step whose function runs no backward is
 reported when its class (or module) scales the backward elsewhere and never steps through
 the scaler, unscales it or hands it on. ``scaler.step`` needs an update later in
 its function, in another method (``self.<scaler>``), or in its caller (a scaler parameter).
@@ -53,14 +55,19 @@ class StepBypassesScaler(Check):
 
     def _check_plain_step(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
         phases = flow.phases_before(node)
-        if HELPED in phases or flow.in_no_scaler_arm(node):
+        if HELPED in phases or flow.in_no_scaler_arm(node) or self._wraps_scaler(receiver):
+            return
+        key = expression_key(receiver)
+        if key is not None and flow.stepped_before(node, key):
+            self.report(
+                node,
+                detail=f"{receiver.as_string()}.step() after scaler.step({key}) steps the same "
+                "gradients again (inf/NaN steps are not skipped)",
+            )
             return
         if not phases & {SCALED, UNSCALED} and not (
             phases <= {None} and scaler_analysis(self.context).scaled_elsewhere(node)
         ):
-            return
-        key = expression_key(receiver)
-        if (key is not None and flow.stepped_before(node, key)) or self._wraps_scaler(receiver):
             return
         self.report(
             node,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from astroid import nodes
 
 from flake8_amp.analysis.names import is_self, method_call
+from flake8_amp.analysis.scaler import AUTOGRAD_BACKWARD
 from flake8_amp.engine import Check, mentions_autocast
-
-AUTOGRAD_BACKWARD = frozenset({"torch.autograd.backward"})
 
 
 class BackwardUnderAutocast(Check):

@@ -21,15 +21,15 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.constants import numeric_constant
-from flake8_amp.analysis.names import method_call, names_in
+from flake8_amp.analysis.names import names_in
 from flake8_amp.analysis.regions import BF16, FP16, Region
 from flake8_amp.analysis.scaler import (
     NESTED_SCOPES,
+    backpropagated_tensor,
     calls_in_order,
     scaler_analysis,
 )
 from flake8_amp.engine import Check, mentions_autocast
-from flake8_amp.rules.amp008 import AUTOGRAD_BACKWARD
 
 
 class ScalerDtypeMismatch(Check):
@@ -103,12 +103,7 @@ class ScalerDtypeMismatch(Check):
         ``scaler.scale(loss)`` or a manually scaled loss (wrappers take the loss as an
         argument: ``engine.backward(loss)``)."""
         for call in calls_in_order(scope):
-            if self.context.names.qualname(call.func) in AUTOGRAD_BACKWARD:
-                tensor = call.args[0] if call.args else None
-            else:
-                method, tensor = method_call(call)
-                if method != "backward" or call.args:
-                    continue
+            tensor = backpropagated_tensor(call, self.context.names)
             if tensor is not None and not self._manually_scaled(tensor):
                 return True
         return False
