@@ -51,7 +51,7 @@ _MAX_STATES = 64
 _AMP_FLAG_WORDS = frozenset(
     {"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"}
 )
-_AMP_CONDITION = "<amp enabled>"
+AMP_CONDITION = "<amp enabled>"
 #: Nodes whose bodies run at another time: analyses of a function skip them.
 NESTED_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
 
@@ -96,7 +96,7 @@ def condition_key(test: nodes.NodeNG) -> Optional[Tuple[str, bool]]:
     if isinstance(test, nodes.Call) and not test.args and method_call(test)[0] == "is_enabled":
         test = test.func.expr
     if _is_amp_flag(test):
-        return _AMP_CONDITION, truth
+        return AMP_CONDITION, truth
     key = expression_key(test)
     return (key, truth) if key is not None else None
 

@@ -1,5 +1,9 @@
 """AMP007 fp16-overflow-literal: a fill beyond +-65504 on a tensor that can be fp16.
 
+Fills: ``masked_fill``/``index_fill``/``fill_``/``new_full``, ``torch.full``/``full_like``,
+``torch.where`` with one number (a 0-dim ``torch.tensor(-1e9)`` is one too: it takes the
+other tensor's dtype), ``F.pad(x, pad, value=...)`` and indexed assignment (``x[m] = -1e9``).
+
 The fill is judged by the tensor it lands on: known fp16 (or fp16/bf16) is a finding;
 known fp32, bf16 or integer is fine; unknown is a finding inside an autocast region
 (not bf16) and in model code (methods of ``nn.Module`` classes and the functions of a
@@ -41,8 +45,9 @@ FILL_METHODS = {
     "fill_diagonal_": (0, "fill_value"),
     "new_full": (1, "fill_value"),
 }
-#: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``).
-FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where"}
+#: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``,
+#: ``F.pad(x, pad, value=...)``).
+FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where", "pad"}
 #: A value that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``100_000``,
 #: ``2 ** 32``, ``torch.finfo(torch.float32)``. Digits after a decimal point, in names or in
 #: paths (``0.7978845608``, ``issues/70627``) are not integers.
@@ -74,7 +79,7 @@ class Fp16OverflowLiteral(Check):
     """fp16 cannot hold the value: the fill raises, or becomes inf and softmax turns NaN."""
 
     code = "AMP007"
-    triggers = ("fill", "full(", "full_like(", "where(", "] =")
+    triggers = ("fill", "full(", "full_like(", "where(", "] =", "pad(")
 
     @classmethod
     def applies(cls, source, options):
@@ -176,6 +181,13 @@ class Fp16OverflowLiteral(Check):
                 call_argument(node, 0, "input"),
                 call_argument(node, 1, "fill_value"),
                 dtype,
+            )
+        if qualname == "torch.nn.functional.pad":
+            return (
+                "F.pad",
+                call_argument(node, 0, "input"),
+                call_argument(node, 3, "value"),
+                None,
             )
         if qualname == "torch.masked_fill":
             return (
