@@ -16,7 +16,7 @@ merely named ``ctx`` is not autocast.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -77,20 +77,24 @@ class Regions:
         self.context = context
         self.names = context.names
         self._opened: Dict[nodes.NodeNG, Optional[Region]] = {}
-        self._inherited: Dict[nodes.NodeNG, Optional[Region]] = {}
+        self._inherited: Dict[Tuple[nodes.NodeNG, bool], Optional[Region]] = {}
         extra = context.options.autocast_functions
         self._extra_qualnames = frozenset(name for name in extra if "." in name)
         self._extra_names = frozenset(last_part(name) for name in extra)
 
     # -- public queries ----------------------------------------------------------------
 
-    def region_at(self, node: nodes.NodeNG) -> Optional[Region]:
-        """The innermost region enclosing ``node`` (including ``enabled=False`` islands)."""
-        return self._region_at(node, set())
+    def region_at(self, node: nodes.NodeNG, with_grad: bool = False) -> Optional[Region]:
+        """The innermost region enclosing ``node`` (including ``enabled=False`` islands).
 
-    def autocast_at(self, node: nodes.NodeNG) -> Optional[Region]:
+        ``with_grad``: a region a function inherits from its callers counts only through
+        call sites where gradients are on (a backward reached from ``no_grad`` code only
+        cannot run; a BCE call there still raises, so this is the caller's choice)."""
+        return self._region_at(node, set(), with_grad)
+
+    def autocast_at(self, node: nodes.NodeNG, with_grad: bool = False) -> Optional[Region]:
         """The region if autocast is (or may be) on at ``node``; None if off or outside."""
-        region = self.region_at(node)
+        region = self.region_at(node, with_grad)
         return region if region is not None and region.active else None
 
     def opened_by(self, node: nodes.NodeNG) -> Optional[Region]:
@@ -113,7 +117,9 @@ class Regions:
 
     # -- enclosure ---------------------------------------------------------------------
 
-    def _region_at(self, node: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> Optional[Region]:
+    def _region_at(
+        self, node: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
+    ) -> Optional[Region]:
         child, parent = node, node.parent
         while parent is not None:
             if isinstance(parent, nodes.With) and not _is_with_item(parent, child):
@@ -122,28 +128,34 @@ class Regions:
                     return region
             elif isinstance(parent, (nodes.FunctionDef, nodes.Lambda)) and _in_body(parent, child):
                 region = self.opened_by(parent)
-                return region if region is not None else self._inherited_region(parent, visiting)
+                if region is not None:
+                    return region
+                return self._inherited_region(parent, visiting, with_grad)
             elif isinstance(parent, nodes.ClassDef):
                 return None
             child, parent = parent, parent.parent
         return None
 
     def _inherited_region(
-        self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG]
+        self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
     ) -> Optional[Region]:
         """The region of every same-module call site of ``function``, if they all agree."""
         if not isinstance(function, nodes.FunctionDef):
             return None
-        if function in self._inherited:
-            return self._inherited[function]
+        key = (function, with_grad)
+        if key in self._inherited:
+            return self._inherited[key]
         if function in visiting:
             return None
         visiting.add(function)
-        regions = [self._region_at(call, visiting) for call in self._call_sites(function)]
+        sites = self._call_sites(function)
+        if with_grad:
+            sites = [call for call in sites if not self.context.grad.no_grad_at(call)]
+        regions = [self._region_at(call, visiting, with_grad) for call in sites]
         inherited = None
         if regions and all(r is not None and r.active for r in regions):
             inherited = regions[0]
-        self._inherited[function] = inherited
+        self._inherited[key] = inherited
         return inherited
 
     def _call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:

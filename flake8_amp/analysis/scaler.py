@@ -51,6 +51,7 @@ _MAX_STATES = 64
 _AMP_FLAG_WORDS = frozenset(
     {"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"}
 )
+#: The condition key every amp/scaler flag shares (``use_amp``, ``args.fp16``, ``scaler``).
 AMP_CONDITION = "<amp enabled>"
 #: Nodes whose bodies run at another time: analyses of a function skip them.
 NESTED_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)

@@ -80,12 +80,20 @@ class ManualCast(Check):
         scope = node.frame()
         keys = {object_key(assign_target(_chain_top(node))), object_key(_chain_root(func.expr))}
         keys.discard("")
-        if keys & self.context.grad.trained_in(scope):
+        if keys & (self.context.grad.trained_in(scope) | _run_before_backward(scope)):
             return False
         if _inside_save(node) or keys & _saved_objects(scope):
             return True
         receiver = func.expr
         return isinstance(receiver, nodes.Call) and simple_name(receiver.func) == "deepcopy"
+
+
+def _run_before_backward(scope: nodes.NodeNG) -> set:
+    """Objects ``scope`` calls (runs forward) when it also calls ``.backward()``."""
+    calls = [node for node in scope_nodes(scope) if isinstance(node, nodes.Call)]
+    if not any(simple_name(call.func) == "backward" for call in calls):
+        return set()
+    return {object_key(call.func) for call in calls}
 
 
 def _is_save(call: nodes.NodeNG) -> bool:
@@ -127,12 +135,16 @@ def _chain_top(node: nodes.NodeNG) -> nodes.NodeNG:
 
 
 def _chain_root(expr: nodes.NodeNG) -> nodes.NodeNG:
-    """The object a chain of calls, indexing and attributes starts from (``x`` for
+    """The object a chain of indexing and self-returning methods starts from (``x`` for
     ``x["model"].cuda()``)."""
     while True:
         if isinstance(expr, nodes.Subscript):
             expr = expr.value
-        elif isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Attribute):
+        elif (
+            isinstance(expr, nodes.Call)
+            and isinstance(expr.func, nodes.Attribute)
+            and expr.func.attrname in CHAIN_METHODS
+        ):
             expr = expr.func.expr
         else:
             return expr

@@ -206,9 +206,12 @@ class LossOutsideAutocast(Check):
 
     def _autocast_output_name(self, arg: nodes.NodeNG) -> Optional[str]:
         """The name of ``arg``'s variable if it holds a forward output made inside an
-        autocast region that does not enclose the loss, with no upcast since."""
+        autocast region that does not enclose the loss, with no upcast since (not losses the
+        forward returned: ``parse_losses(losses)`` only sums them)."""
         root = self._tensor_root(arg)
         if not isinstance(root, nodes.Name) or self.context.dtypes.of(arg) in (FP32, INT):
+            return None
+        if {"loss", "losses"} & set(name_words(root.name)):
             return None
         return root.name if self._made_under_autocast(root, _MAX_HOPS) else None
 
