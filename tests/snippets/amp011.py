@@ -217,3 +217,34 @@ class Model(nn.Module):
 def bf16_model_adam(model):
     model = model.bfloat16()
     return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+# ---- flag-enabled regions, Python numbers by name ------------------------------------
+
+
+class ScorerWithAmpSwitch(nn.Module):
+    def __init__(self, dim, use_amp):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.use_amp = use_amp
+
+    def forward(self, x):
+        with torch.autocast("cuda", enabled=self.use_amp):
+            h = self.proj(x)
+            return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)  # AMP011
+
+
+def tempered_log_probs(scores, temperature=0.05):
+    probs = (scores.half() / temperature).softmax(dim=-1)
+    return torch.log(probs + 1e-10)  # AMP011
+
+
+def tempered_log_probs_fp32(scores, temperature=0.05):
+    probs = (scores.half().float() / temperature).softmax(dim=-1)
+    return torch.log(probs + 1e-10)
+
+
+def norm_under_switch_is_fp32(x, w, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        h = x @ w
+        return h / (h.norm(dim=-1, keepdim=True) + 1e-8)
