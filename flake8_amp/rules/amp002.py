@@ -77,8 +77,6 @@ class LossOutsideAutocast(Check):
     def visit_call(self, node: nodes.Call) -> None:
         if self.context.regions.region_at(node) is not None:
             return
-        # Only the prediction is judged: targets made in the region (``target =
-        # scheduler.get_velocity(...)``) are data, and an upcast prediction is enough.
         arg = call_argument(node, 0, "input")
         if arg is None:
             return
@@ -86,12 +84,36 @@ class LossOutsideAutocast(Check):
         kind = self._loss_kind(node, definition)
         if kind is None:
             return
-        produced = self._autocast_output_name(arg)
-        if produced is None or (definition is not None and self._upcasts_prediction(definition)):
+        produced = self._produced_prediction(node, definition)
+        if produced is None:
             return
         if kind == "computed" and not self._backpropagated(node):
             return  # a metric (``accuracy(output, target)``), not a loss
         self.report(node, loss=self.source_text(node.func), arg=produced)
+
+    def _produced_prediction(
+        self, node: nodes.Call, definition: Optional[nodes.FunctionDef]
+    ) -> Optional[str]:
+        """The name of a prediction made under autocast that the loss receives. Only the
+        prediction is judged: targets made in the region (``target =
+        scheduler.get_velocity(...)``) are data. That is the first argument of a loss defined
+        elsewhere; for one defined here, any argument whose parameter it does not upcast
+        itself (``mae_loss(imgs, pred, mask)``), unless the call upcasts some of them (the
+        author chose which inputs need fp32)."""
+        if definition is None:
+            return self._autocast_output_name(call_argument(node, 0, "input"))
+        if any(self.context.dtypes.of(arg) == FP32 for arg in node.args):
+            return None
+        params = definition.args.posonlyargs + definition.args.args
+        if isinstance(definition.parent, nodes.ClassDef):
+            params = params[1:]
+        for param, arg in zip(params, node.args):
+            if isinstance(arg, nodes.Starred):
+                break
+            produced = self._autocast_output_name(arg)
+            if produced is not None and not self._upcasts(definition, param.name):
+                return produced
+        return None
 
     # -- what is a loss ----------------------------------------------------------------
 
@@ -187,17 +209,12 @@ class LossOutsideAutocast(Check):
                         pending.append(value)
         return False
 
-    def _upcasts_prediction(self, function: nodes.FunctionDef) -> bool:
-        """The loss definition casts its prediction parameter to fp32 itself
-        (``logits = logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``)."""
-        params = function.args.posonlyargs + function.args.args
-        if isinstance(function.parent, nodes.ClassDef):
-            params = params[1:]
-        if not params:
-            return False
+    def _upcasts(self, function: nodes.FunctionDef, parameter: str) -> bool:
+        """The loss definition casts ``parameter`` to fp32 itself (``logits =
+        logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``)."""
         for call in function.nodes_of_class(nodes.Call):
             receiver = method_call(call)[1]
-            if isinstance(receiver, nodes.Name) and receiver.name == params[0].name:
+            if isinstance(receiver, nodes.Name) and receiver.name == parameter:
                 if self.context.dtypes.cast_target(call) == FP32:
                     return True
         return False

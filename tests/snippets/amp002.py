@@ -520,3 +520,22 @@ def criterion_on_upcast_outputs(model, x, y, criterion):
         out = model(x)
     loss = criterion(out.float(), y)
     scaler.scale(loss).backward()
+
+
+def reconstruction_loss(images, pred, mask):
+    target = images.flatten(2)
+    return ((pred - target) ** 2 * mask).sum() / mask.sum()
+
+
+def prediction_in_second_position(model, images):
+    with torch.autocast("cuda"):
+        pred, mask = model(images)
+    loss = reconstruction_loss(images, pred, mask)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def some_inputs_upcast_by_the_caller(model, images, texts):
+    with torch.autocast("cuda"):
+        img, txt, scale = model(images, texts)
+    loss = info_nce(img.float(), txt.float(), scale)
+    scaler.scale(loss).backward()
