@@ -20,7 +20,13 @@ from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import keyword_value, last_part, method_call, simple_name
+from flake8_amp.analysis.names import (
+    enclosing_class,
+    keyword_value,
+    last_part,
+    method_call,
+    simple_name,
+)
 
 NO_GRAD_CONTEXTS = frozenset(
     {
@@ -97,6 +103,8 @@ TRAINING_CALLS: FrozenSet[str] = frozenset({"backward", "manual_backward", "zero
 CHAIN_METHODS: FrozenSet[str] = frozenset(
     {"to", "cuda", "cpu", "type", "half", "bfloat16", "float", "eval", "train", "requires_grad_"}
 )
+
+COMPREHENSIONS = (nodes.ListComp, nodes.SetComp, nodes.DictComp, nodes.GeneratorExp)
 
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
@@ -195,12 +203,17 @@ class GradContext:
         (``m.requires_grad_(False)``, ``p.requires_grad = False`` for ``p`` in
         ``m.parameters()``, ``freeze_params(m.parameters())``, ``set_requires_grad(m,
         False)``, ``m.eval()`` with no ``m.train()``; ``m(x.half())``,
-        ``m.encode(x.half())``)."""
+        ``m.encode(x.half())``, ``m.load_state_dict({k: v.half() ...})``). A ``self.<x>``
+        object may be frozen when it is built (``self.target.eval()`` in ``__init__``) if
+        no method of the class trains it."""
         while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
             expr = expr.parent.parent
         objects = {object_key(assign_target(expr))}
-        consumer = expr.parent
-        if isinstance(consumer, nodes.Call) and expr in consumer.args:
+        fed = expr
+        while isinstance(fed.parent, COMPREHENSIONS) and fed is not fed.parent.generators[0].iter:
+            fed = fed.parent  # ``{k: v.half() for ...}`` is fed as a whole
+        consumer = fed.parent
+        if isinstance(consumer, nodes.Call) and fed in consumer.args:
             objects.add(object_key(consumer.func))
             if isinstance(consumer.func, nodes.Attribute):
                 objects.add(object_key(consumer.func.expr))
@@ -215,7 +228,21 @@ class GradContext:
             link = link.func.expr
         objects.add(object_key(link))
         frozen = self._frozen_in(expr.frame())
-        return any(key in frozen for key in objects if key)
+        if any(key in frozen for key in objects if key):
+            return True
+        return any(key in self._frozen_when_built(expr) for key in objects if key)
+
+    def _frozen_when_built(self, node: nodes.NodeNG) -> FrozenSet[str]:
+        """``self.<x>`` objects that the ``__init__`` of ``node``'s class freezes and none of
+        its methods trains or puts back in train mode."""
+        owner = enclosing_class(node)
+        if owner is None or "__init__" not in owner.locals:
+            return frozenset()
+        methods = list(owner.mymethods())
+        built = [m for m in methods if m.name == "__init__"]
+        frozen = set().union(*(self._frozen_in(m) for m in built))
+        trained = set().union(*(self.trained_in(m) for m in methods))
+        return frozenset(key for key in frozen - trained if key.startswith("self."))
 
     def _frozen_in(self, scope: nodes.NodeNG) -> FrozenSet[str]:
         """Objects (as source text) that ``scope`` freezes and never trains: no
@@ -228,20 +255,34 @@ class GradContext:
         return self._freezing(scope)[1]
 
     def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str]]:
+        """(frozen, trained) objects of ``scope``: ``m.train()`` undoes ``m.eval()`` but not
+        ``m.requires_grad_(False)`` (LoRA freezes the base model and trains adapters in it);
+        an optimizer over ``m.parameters()`` or ``train_one_epoch(m)`` undoes both."""
         if scope not in self._frozen_objects:
-            frozen, trained = set(), set()
+            without_grad, in_eval, in_train_mode, trained = set(), set(), set(), set()
             for node in scope_nodes(scope):
                 if _chain_call(node) and _freezes(node):
-                    frozen.add(node.func.expr.as_string())
+                    frozen = in_eval if node.func.attrname == "eval" else without_grad
+                    frozen.update(
+                        {
+                            node.func.expr.as_string(),
+                            object_key(_chain_root(node)),
+                            object_key(assign_target(node)),
+                        }
+                    )
                 elif isinstance(node, nodes.Call) and _freezing_helper(node):
-                    frozen.update(object_key(_parameters_owner(arg)) for arg in node.args)
+                    without_grad.update(object_key(_parameters_owner(arg)) for arg in node.args)
                 elif _chain_call(node) and node.func.attrname == "train":
-                    trained.add(node.func.expr.as_string())
+                    in_train_mode.add(node.func.expr.as_string())
                 elif isinstance(node, nodes.Call):
                     trained.update(_trained_arguments(node))
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
-                    frozen.add(node.iter.func.expr.as_string())
-            self._frozen_objects[scope] = (frozenset(frozen - trained), frozenset(trained))
+                    without_grad.add(node.iter.func.expr.as_string())
+            frozen_objects = (without_grad - trained) | (in_eval - trained - in_train_mode)
+            self._frozen_objects[scope] = (
+                frozenset(frozen_objects - {""}),
+                frozenset(trained | in_train_mode),
+            )
         return self._frozen_objects[scope]
 
     def not_training_at(self, node: nodes.NodeNG) -> bool:
@@ -292,6 +333,14 @@ def _called_names(scope: nodes.NodeNG) -> List[str]:
 def _chain_call(node: Optional[nodes.NodeNG]) -> bool:
     """``node`` is ``<object>.<method>(...)`` with a method that returns the object."""
     return isinstance(node, nodes.Call) and method_call(node)[0] in CHAIN_METHODS
+
+
+def _chain_root(call: nodes.Call) -> nodes.NodeNG:
+    """The object a method chain starts from (``m`` for ``m.half().eval()``)."""
+    expr = call.func.expr
+    while _chain_call(expr):
+        expr = expr.func.expr
+    return expr
 
 
 def _is_detach(node: nodes.NodeNG) -> bool:

@@ -498,3 +498,41 @@ def train_and_save_compact_state(model, loader, optimizer, path):
 
 def export_comprehension(tensors):
     return [t.half() for t in tensors]
+
+
+def train_lora_adapters_on_frozen_base(model, loader, optimizer, device):
+    model.requires_grad_(False)
+    model.to(device, dtype=torch.bfloat16)
+    model.train()
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
+class TargetNetworkAgent:
+    def __init__(self, q, target):
+        self.q = q
+        self.target = target.half().eval()
+        self.optimizer = torch.optim.Adam(q.parameters())
+
+    def sync_target(self):
+        self.target.load_state_dict({k: v.half() for k, v in self.q.state_dict().items()})
+
+    def train_step(self, x, y):
+        self.q(x, y).backward()
+        self.optimizer.step()
+
+
+class HalfFitTrainer:
+    def __init__(self, model):
+        self.model = model
+
+    def fit(self, loader, optimizer):
+        self.model = self.model.half()  # AMP001
+        for x, y in loader:
+            self.model(x, y).backward()
+            optimizer.step()
+
+    def evaluate(self, loader):
+        self.model.eval()
+        return [self.model(x) for x, _ in loader]
