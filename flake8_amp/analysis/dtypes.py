@@ -2,12 +2,16 @@
 
 Kinds: ``fp32`` (fp32 or wider), ``fp16``, ``bf16``, ``low`` (one of fp16/bf16, which one
 unknown), ``int`` (not floating point), or None (unknown). Sources of knowledge: factory
-calls with ``dtype=``, casts (``.half()``, ``.bfloat16()``, ``.float()``, ``.to(dtype)``,
-``.type(torch.HalfTensor)``), and the per-op rules of autocast inside an enabled region
-(matmul/linear/conv and ``nn.Linear``/``nn.Conv*`` modules produce the region's dtype;
-ops on autocast's fp32 list produce fp32 — per device, from PyTorch's published lists).
-Knowledge flows through names (per function, the assignment that reaches the use),
-arithmetic, indexing and dtype-preserving methods. A generic model call is unknown.
+calls with ``dtype=``, conversions (:meth:`Dtypes.cast_target`: ``.half()``, ``.float()``,
+``.to(dtype)``, ``.to(other)``, ``.type("torch.cuda.HalfTensor")``, ``.type_as(other)``,
+dtypes named by constants), and the per-op rules of autocast inside a region (matmul/
+linear/conv and ``nn.Linear``/``nn.Conv*`` modules produce the region's dtype; ops on
+autocast's fp32 list produce fp32 — per device, from PyTorch's published lists; a region
+enabled by a flag counts as on, so kinds describe the run with mixed precision on).
+Knowledge flows through names (per function, the assignments that reach the use), tuple
+unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
+parameter's default, take the tensor's dtype; fp32 wins over any other operand),
+indexing and dtype-preserving methods. A generic model call is unknown.
 """
 
 from __future__ import annotations

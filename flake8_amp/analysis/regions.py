@@ -5,9 +5,13 @@ autocast (``torch.autocast``, ``torch.amp.autocast``, the deprecated ``torch.cud
 / ``torch.cpu.amp`` spellings, ``--amp-autocast-functions``, ``functools.partial``
 aliases of these, project wrappers and methods whose name contains ``autocast`` such as
 ``accelerator.autocast()``), or by a context variable bound to one
-(``ctx = nullcontext() if cpu else torch.amp.autocast(...)``; ``with ctx:``). A function
-defined in the module and called only from inside regions inherits the region (so does
-``Net.forward`` when every ``model = Net(...)`` instance is called only inside regions).
+(``ctx = nullcontext() if cpu else torch.amp.autocast(...)``; ``with ctx:``), or by a
+context parameter that every call site in the module passes one (``def train(...,
+amp_ctx): with amp_ctx:``). A function defined in the module and called only from inside
+regions inherits the region (so does ``Net.forward`` when every ``model = Net(...)``
+instance is called only inside regions; asked ``with_grad``, only call sites where
+gradients are on count). Each region knows its ``source``: the autocast expression whose
+arguments name its dtype, the line to change.
 ``enabled=False`` opens an island where autocast is off (tensors arriving in fp16 stay
 fp16), as do wrappers named for turning it off (``disable_autocast()``). A variable
 merely named ``ctx`` is not autocast.
