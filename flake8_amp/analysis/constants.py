@@ -12,7 +12,6 @@ from typing import Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import is_self
 
 #: ``torch.finfo`` of these is far beyond fp16's range (fp32's max is used for all of them).
 WIDE_DTYPES = frozenset({"torch.float32", "torch.float", "torch.float64", "torch.double"})
@@ -49,12 +48,7 @@ def numeric_constant(expr: Optional[nodes.NodeNG], names, _depth: int = 0) -> Op
             numeric_constant(expr.left, names, _depth + 1),
             numeric_constant(expr.right, names, _depth + 1),
         )
-    if isinstance(expr, nodes.Name):
-        values = names.assigned_values(expr)
-    elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-        values = names.self_attribute_values(expr)
-    else:
-        return None
+    values = names.bound_values(expr)
     found = {numeric_constant(value, names, _depth + 1) for value in values or ()}
     return found.pop() if len(found) == 1 else None
 

@@ -21,6 +21,7 @@ from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.names import (
+    chain_root,
     enclosing_class,
     keyword_value,
     last_part,
@@ -266,7 +267,7 @@ class GradContext:
                     frozen.update(
                         {
                             node.func.expr.as_string(),
-                            object_key(_chain_root(node)),
+                            object_key(chain_root(node.func.expr, CHAIN_METHODS)),
                             object_key(assign_target(node)),
                         }
                     )
@@ -333,14 +334,6 @@ def _called_names(scope: nodes.NodeNG) -> List[str]:
 def _chain_call(node: Optional[nodes.NodeNG]) -> bool:
     """``node`` is ``<object>.<method>(...)`` with a method that returns the object."""
     return isinstance(node, nodes.Call) and method_call(node)[0] in CHAIN_METHODS
-
-
-def _chain_root(call: nodes.Call) -> nodes.NodeNG:
-    """The object a method chain starts from (``m`` for ``m.half().eval()``)."""
-    expr = call.func.expr
-    while _chain_call(expr):
-        expr = expr.func.expr
-    return expr
 
 
 def _is_detach(node: nodes.NodeNG) -> bool:

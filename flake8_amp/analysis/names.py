@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from astroid import nodes
 from astroid.manager import AstroidManager
@@ -213,6 +213,15 @@ class Names:
         except Exception:  # astroid's NoDefault
             return None
 
+    def bound_values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """What a variable (:meth:`assigned_values`) or a ``self.<x>`` attribute (in any
+        method of its class) is assigned; None for other expressions or unknown bindings."""
+        if isinstance(expr, nodes.Name):
+            return self.assigned_values(expr)
+        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            return self.self_attribute_values(expr)
+        return None
+
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
         is not a plain ``name = value`` (parameters, loops, unpacking, imports...)."""
@@ -288,12 +297,7 @@ class Names:
         if isinstance(expr, nodes.Call):
             callee = self.callee(expr, _depth + 1)
             return callee.qualname if callee is not None and not callee.instance else None
-        if isinstance(expr, nodes.Name):
-            values = self.assigned_values(expr)
-        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            values = self.self_attribute_values(expr)
-        else:
-            return None
+        values = self.bound_values(expr)
         if not values:
             return None
         classes = {
@@ -374,12 +378,7 @@ class Names:
         return None
 
     def _partial_binding(self, func: nodes.NodeNG, depth: int) -> Optional[Callee]:
-        if isinstance(func, nodes.Name):
-            values = self.assigned_values(func)
-        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
-            values = self.self_attribute_values(func)
-        else:
-            return None
+        values = self.bound_values(func)
         if not values or len(values) != 1 or not isinstance(values[0], nodes.Call):
             return None
         return self.partial_target(values[0])
@@ -558,6 +557,26 @@ def simple_name(expr: nodes.NodeNG) -> str:
 def attribute_not_in(func: nodes.NodeNG, names: frozenset) -> bool:
     """``func`` is ``x.<name>`` with a name outside ``names`` (bare names may be aliases)."""
     return isinstance(func, nodes.Attribute) and func.attrname not in names
+
+
+def chain_root(
+    expr: nodes.NodeNG, methods: FrozenSet[str], attributes: bool = False
+) -> nodes.NodeNG:
+    """The object a chain of indexing, calls of ``methods`` (and, with ``attributes``,
+    attribute access) starts from: ``x`` for ``x["model"].cuda().half()``."""
+    while True:
+        if isinstance(expr, nodes.Subscript):
+            expr = expr.value
+        elif attributes and isinstance(expr, nodes.Attribute):
+            expr = expr.expr
+        elif (
+            isinstance(expr, nodes.Call)
+            and isinstance(expr.func, nodes.Attribute)
+            and expr.func.attrname in methods
+        ):
+            expr = expr.func.expr
+        else:
+            return expr
 
 
 def keyword_value(call: nodes.Call, name: str) -> Optional[nodes.NodeNG]:

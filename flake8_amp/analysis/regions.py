@@ -27,7 +27,6 @@ from astroid import nodes
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import (
     Callee,
-    is_self,
     keyword_value,
     last_part,
     simple_name,
@@ -224,11 +223,10 @@ class Regions:
     def _values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned, or what
         a parameter (``def train(..., amp_ctx)``) receives at its call sites."""
-        if isinstance(expr, nodes.Name):
-            return self.names.assigned_values(expr) or self.names.argument_values(expr)
-        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            return self.names.self_attribute_values(expr)
-        return None
+        values = self.names.bound_values(expr)
+        if not values and isinstance(expr, nodes.Name):
+            return self.names.argument_values(expr)
+        return values
 
     def _returned_values(self, func: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """The values a function defined in this module returns (a context factory such as

@@ -464,12 +464,7 @@ class ScalerAnalysis:
 
     def constructions(self, expr: nodes.NodeNG) -> List[nodes.Call]:
         """The ``GradScaler(...)`` calls whose result ``expr`` (a name or ``self.x``) holds."""
-        if isinstance(expr, nodes.Name):
-            values = self.names.assigned_values(expr) or []
-        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            values = self.names.self_attribute_values(expr)
-        else:
-            return []
+        values = self.names.bound_values(expr) or []
         return [
             value
             for value in values

@@ -13,7 +13,7 @@ from flake8_amp.analysis.context import (
     scope_nodes,
 )
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, LOW
-from flake8_amp.analysis.names import is_self, simple_name
+from flake8_amp.analysis.names import chain_root, is_self, simple_name
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
@@ -78,7 +78,8 @@ class ManualCast(Check):
         that the function trains (``model16 = deepcopy(model).half()`` then trained is
         training in fp16)."""
         scope = node.frame()
-        keys = {object_key(assign_target(_chain_top(node))), object_key(_chain_root(func.expr))}
+        root = chain_root(func.expr, CHAIN_METHODS)
+        keys = {object_key(assign_target(_chain_top(node))), object_key(root)}
         keys.discard("")
         if keys & (self.context.grad.trained_in(scope) | _run_before_backward(scope)):
             return False
@@ -132,22 +133,6 @@ def _chain_top(node: nodes.NodeNG) -> nodes.NodeNG:
     ):
         node = node.parent.parent
     return node
-
-
-def _chain_root(expr: nodes.NodeNG) -> nodes.NodeNG:
-    """The object a chain of indexing and self-returning methods starts from (``x`` for
-    ``x["model"].cuda()``)."""
-    while True:
-        if isinstance(expr, nodes.Subscript):
-            expr = expr.value
-        elif (
-            isinstance(expr, nodes.Call)
-            and isinstance(expr.func, nodes.Attribute)
-            and expr.func.attrname in CHAIN_METHODS
-        ):
-            expr = expr.func.expr
-        else:
-            return expr
 
 
 def _round_trip(node: nodes.Call) -> bool:

@@ -22,6 +22,7 @@ from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
 from flake8_amp.analysis.names import (
     assigned_value,
+    chain_root,
     call_argument,
     last_part,
     method_call,
@@ -261,7 +262,7 @@ class LossOutsideAutocast(Check):
         regions = self.context.regions
         if regions.autocast_at(binding) is not None:
             return True
-        core = _strip(value)
+        core = chain_root(value, PRESERVING, attributes=True)
         if not isinstance(core, nodes.Call) or regions.called_region(core) is None:
             return False
         returns = returned_values(self.context.names.local_function(core)) or []
@@ -272,7 +273,7 @@ class LossOutsideAutocast(Check):
         a call of a model (not a data move, not a library function or a loss)."""
         if is_low(self.context.dtypes.of(value)):
             return True
-        core = _strip(value)
+        core = chain_root(value, PRESERVING, attributes=True)
         if not isinstance(core, nodes.Call) or self._returns_fp32(core.func):
             return False
         callee = self.context.names.callee(core)
@@ -354,23 +355,6 @@ def _backpropagated_expressions(scope: nodes.NodeNG) -> Iterator[nodes.NodeNG]:
             if receiver is not None and not call.args:
                 yield receiver
             yield from call.args
-
-
-def _strip(expr: nodes.NodeNG) -> nodes.NodeNG:
-    """Remove indexing, attribute access and dtype-preserving method calls."""
-    while True:
-        if isinstance(expr, nodes.Subscript):
-            expr = expr.value
-        elif isinstance(expr, nodes.Attribute):
-            expr = expr.expr
-        elif (
-            isinstance(expr, nodes.Call)
-            and isinstance(expr.func, nodes.Attribute)
-            and expr.func.attrname in PRESERVING
-        ):
-            expr = expr.func.expr
-        else:
-            return expr
 
 
 def _bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:

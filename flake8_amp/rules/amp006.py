@@ -18,7 +18,7 @@ from typing import Optional
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.names import is_self, method_call, names_in
+from flake8_amp.analysis.names import method_call, names_in
 from flake8_amp.analysis.scaler import (
     HELPED,
     SCALED,
@@ -91,12 +91,7 @@ class StepBypassesScaler(Check):
     def _wraps_scaler(self, optimizer: nodes.NodeNG) -> bool:
         """The optimizer was built around the scaler (``AmpOptimizer(opt, scaler)``)."""
         names = self.context.names
-        if isinstance(optimizer, nodes.Name):
-            values = names.assigned_values(optimizer) or []
-        elif isinstance(optimizer, nodes.Attribute) and is_self(optimizer.expr):
-            values = names.self_attribute_values(optimizer)
-        else:
-            return False
+        values = names.bound_values(optimizer) or []
         return any(
             "scaler" in word.lower()
             for value in values

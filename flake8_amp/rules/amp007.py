@@ -27,7 +27,6 @@ from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
 from flake8_amp.analysis.names import (
     attribute_not_in,
     call_argument,
-    is_self,
     last_part,
     method_call,
 )
@@ -44,6 +43,12 @@ FILL_METHODS = {
     "fill_": (0, "value"),
     "fill_diagonal_": (0, "fill_value"),
     "new_full": (1, "fill_value"),
+}
+#: torch functions filling their first argument: ``(op, position, keyword)`` of the value.
+TORCH_FILLS = {
+    "torch.full_like": ("torch.full_like", 1, "fill_value"),
+    "torch.masked_fill": ("torch.masked_fill", 2, "value"),
+    "torch.nn.functional.pad": ("F.pad", 3, "value"),
 }
 #: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``,
 #: ``F.pad(x, pad, value=...)``).
@@ -133,13 +138,7 @@ class Fp16OverflowLiteral(Check):
         """``expr`` is bound to a list, dict, set or numpy array (``t.cpu().numpy()``), not a
         tensor."""
         names = self.context.names
-        if isinstance(expr, nodes.Name):
-            values = names.assigned_values(expr) or []
-        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            values = names.self_attribute_values(expr)
-        else:
-            return False
-        for value in values:
+        for value in names.bound_values(expr) or ():
             if isinstance(value, nodes.BinOp):  # ``[0.0] * n``, ``np.ones(n) * 5``
                 value = value.right if isinstance(value.right, CONTAINER_NODES) else value.left
             if isinstance(value, CONTAINER_NODES):
@@ -175,27 +174,10 @@ class Fp16OverflowLiteral(Check):
             return method, receiver, call_argument(node, position, keyword), dtype
         if qualname == "torch.full":
             return "torch.full", None, call_argument(node, 1, "fill_value"), dtype
-        if qualname == "torch.full_like":
-            return (
-                "torch.full_like",
-                call_argument(node, 0, "input"),
-                call_argument(node, 1, "fill_value"),
-                dtype,
-            )
-        if qualname == "torch.nn.functional.pad":
-            return (
-                "F.pad",
-                call_argument(node, 0, "input"),
-                call_argument(node, 3, "value"),
-                None,
-            )
-        if qualname == "torch.masked_fill":
-            return (
-                "torch.masked_fill",
-                call_argument(node, 0, "input"),
-                call_argument(node, 2, "value"),
-                dtype,
-            )
+        if qualname in TORCH_FILLS:
+            op, position, keyword = TORCH_FILLS[qualname]
+            filled = call_argument(node, 0, "input")
+            return op, filled, call_argument(node, position, keyword), dtype
         if qualname == "torch.where" and len(node.args) == 3:
             numbers = [numeric_constant(arg, self.context.names) for arg in node.args[1:]]
             if numbers.count(None) == 1:  # two numbers make a default-dtype (fp32) tensor
