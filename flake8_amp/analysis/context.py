@@ -115,6 +115,13 @@ def name_words(name: str) -> List[str]:
     return [word.lower() for word in _WORD.findall(name)]
 
 
+def named_for_training(name: str) -> bool:
+    """``train_one_epoch``, ``Trainer``, ``finetune``, ``fit`` / ``fit_one_cycle`` -- "fit"
+    only as the first word (``get_best_fit``, ``curve_fit`` fit something else)."""
+    words = name_words(name)
+    return words[:1] == ["fit"] or any(w in TRAINING_WORDS and w != "fit" for w in words)
+
+
 class GradContext:
     """Queries about grad mode and the purpose of code, for one module."""
 
@@ -167,7 +174,7 @@ class GradContext:
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
-                if any(word in TRAINING_WORDS for word in name_words(current.name)):
+                if named_for_training(current.name):
                     return True
             current = current.parent
         if self._calls_training(scope):
@@ -176,7 +183,7 @@ class GradContext:
         if isinstance(owner, nodes.ClassDef):
             return any(
                 self._calls_training(method)
-                or any(w in TRAINING_WORDS for w in name_words(method.name))
+                or named_for_training(method.name)
                 for method in owner.mymethods()
             )
         return False
@@ -187,7 +194,7 @@ class GradContext:
         if scope not in self._training_scopes:
             called = self.called_names(scope)
             self._training_scopes[scope] = bool(TRAINING_CALLS.intersection(called)) or any(
-                word in TRAINING_WORDS for name in called for word in name_words(name)
+                named_for_training(name) for name in called
             )
         return self._training_scopes[scope]
 
@@ -368,7 +375,7 @@ def _freezing_helper(call: nodes.Call) -> bool:
 def _trained_arguments(call: nodes.Call) -> Iterator[str]:
     """Objects ``call`` trains: ``m`` in ``optimizer_cls(m.parameters())`` or in a call
     named for training (``train_one_epoch(m, loader)``)."""
-    training = any(word in TRAINING_WORDS for word in name_words(simple_name(call.func)))
+    training = named_for_training(simple_name(call.func))
     for arg in call.args:
         owner = _parameters_owner(arg)
         if owner is not arg or training:

@@ -400,6 +400,29 @@ class ScalerFlow:
         return key is not None and key in state.scaled_names
 
 
+#: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).
+OPTIMIZER_WORDS = frozenset({"opt", "optim", "optimizer", "optimiser", "optimizers"})
+#: Words that say it is something else with a ``step()`` (schedulers, EMA, SWA, samplers).
+NOT_OPTIMIZER_WORDS = frozenset(
+    {"sched", "scheduler", "lr", "warmup", "ema", "swa", "sampler", "env"}
+)
+
+
+def is_optimizer(expr: nodes.NodeNG, names) -> bool:
+    """Built by a ``torch.optim`` class, or named like an optimizer (``optimizer``, ``opt_d``,
+    ``self.optim``, ``optim_wrapper``; not a scheduler or an EMA)."""
+    key = expression_key(expr)
+    if key is None:
+        return False
+    built_by = names.instance_class(expr) or ""
+    if built_by.startswith("torch.optim.") and "lr_scheduler" not in built_by:
+        return True
+    words = name_words(key.rsplit(".", 1)[-1])
+    if NOT_OPTIMIZER_WORDS.intersection(words):
+        return False
+    return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)
+
+
 def backpropagated_tensor(call: nodes.Call, names) -> Optional[nodes.NodeNG]:
     """The tensor a backward call backpropagates: ``x`` in ``x.backward()`` or
     ``torch.autograd.backward(x)``; None for other calls (wrappers such as

@@ -3,13 +3,17 @@
 A loss is known by what it computes: a torch loss (``F.cross_entropy``, ``F.ctc_loss``, any
 ``*_loss``, an ``nn.*Loss``), an instance of any class named ``*Loss``, a callable named for
 a loss or criterion whose definition is elsewhere (``criterion``, ``self.loss_fn``), or a
-function or class of this module whose result is computed by a loss or a full reduction
-(``.mean()``, ``.sum()``) and is backpropagated (``self.xent(score, pids)``,
-``siglip_objective(img, txt)``). Its prediction (first input) is traced back through
-indexing, attributes, arithmetic and tensor ops (``F.log_softmax(s / T)``, ``torch.sigmoid``,
-``.transpose``), names, unpacking and loop targets to a forward output made in an autocast
-region that does not enclose the loss; an upcast anywhere on the way (``.float()``), or in
-the loss's own definition, makes it fine.
+function or class of this module whose result (or first result) is computed by a loss or a
+full reduction (``.mean()``, ``.sum()``) and is backpropagated (``self.xent(score, pids)``,
+``siglip_objective(img, txt)``), whatever its name. Backpropagated: reaching a backward
+(``loss.backward()``, ``accelerator.backward(loss)``) or a call that steps an optimizer
+(``loss_scaler(loss, optimizer)``, ``optim_wrapper.update_params(loss)``).
+
+Its prediction (the first input; for a loss of this module, any input it does not upcast) is
+traced back through indexing, attributes, arithmetic and tensor ops (``F.log_softmax(s /
+T)``, ``torch.sigmoid``, ``.transpose``), names, unpacking and loop targets to a forward
+output made in an autocast region that does not enclose the loss; an upcast anywhere on the
+way (``.float()``), or in the loss's own definition, makes it fine.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from flake8_amp.analysis.names import (
     unpacked_value,
 )
 from flake8_amp.analysis.regions import returned_values
+from flake8_amp.analysis.scaler import is_optimizer
 from flake8_amp.engine import Check, Options, mentions_autocast
 
 #: Functional losses whose names do not end in ``_loss``.
@@ -137,8 +142,7 @@ class LossOutsideAutocast(Check):
         if local_class is not None and local_class.name.endswith("Loss"):
             return "known"
         if definition is not None:
-            if _named_for_loss(definition.name) or _named_for_loss(name):
-                return "known"
+            # Its name is not enough (``_update_losses(outputs, losses)`` records them).
             return "computed" if self._computes_loss(definition) else None
         if callee is None and local_class is None and _named_for_loss(name):
             return "known"  # ``criterion(out, y)``: a parameter or attribute built elsewhere
@@ -171,6 +175,9 @@ class LossOutsideAutocast(Check):
             )
         if isinstance(expr, nodes.UnaryOp):
             return self._loss_expression(expr.operand, depth - 1)
+        if isinstance(expr, (nodes.IfExp, nodes.Tuple)):
+            parts = [expr.body, expr.orelse] if isinstance(expr, nodes.IfExp) else expr.elts[:1]
+            return any(self._loss_expression(part, depth - 1) for part in parts)
         if isinstance(expr, nodes.Name):
             values = self.context.names.assigned_values(expr) or []
             return any(self._loss_expression(value, depth - 1) for value in values)
@@ -194,7 +201,8 @@ class LossOutsideAutocast(Check):
         """``node``'s result flows (through names and arithmetic in its function) into what a
         backward call backpropagates (``loss.backward()``, ``scaler.scale(loss)``,
         ``accelerator.backward(loss)``)."""
-        pending: List[nodes.NodeNG] = list(_backpropagated_expressions(node.scope()))
+        names = self.context.names
+        pending: List[nodes.NodeNG] = list(_backpropagated_expressions(node.scope(), names))
         seen = set()
         while pending:
             expr = pending.pop()
@@ -346,14 +354,20 @@ def _named_for_loss(name: str) -> bool:
     return bool(words & LOSS_WORDS) and not words & NOT_LOSS_WORDS
 
 
-def _backpropagated_expressions(scope: nodes.NodeNG) -> Iterator[nodes.NodeNG]:
+def _backpropagated_expressions(scope: nodes.NodeNG, names) -> Iterator[nodes.NodeNG]:
     """What the backward calls of ``scope`` backpropagate: ``x`` in ``x.backward()``,
-    ``torch.autograd.backward(x)``, ``accelerator.backward(x)``, ``scaler.scale(x).backward()``."""
+    ``torch.autograd.backward(x)``, ``accelerator.backward(x)``, ``scaler.scale(x).backward()``,
+    and what calls that step an optimizer receive (``loss_scaler(x, optimizer)``,
+    ``optim_wrapper.update_params(x)``)."""
     for call in scope.nodes_of_class(nodes.Call):
         method, receiver = method_call(call)
         if method in BACKWARD_METHODS:
             if receiver is not None and not call.args:
                 yield receiver
+            yield from call.args
+        elif (receiver is not None and is_optimizer(receiver, names)) or any(
+            is_optimizer(arg, names) for arg in call.args
+        ):
             yield from call.args
 
 

@@ -13,11 +13,8 @@ its function, in another method (``self.<scaler>``), or in its caller (a scaler 
 
 from __future__ import annotations
 
-from typing import Optional
-
 from astroid import nodes
 
-from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import method_call, names_in
 from flake8_amp.analysis.scaler import (
     HELPED,
@@ -25,16 +22,10 @@ from flake8_amp.analysis.scaler import (
     UNSCALED,
     ScalerFlow,
     expression_key,
+    is_optimizer,
     scaler_analysis,
 )
 from flake8_amp.engine import Check
-
-#: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).
-OPTIMIZER_WORDS = frozenset({"opt", "optim", "optimizer", "optimiser", "optimizers"})
-#: Words that say it is something else with a ``step()`` (schedulers, EMA, SWA, samplers).
-NOT_OPTIMIZER_WORDS = frozenset(
-    {"sched", "scheduler", "lr", "warmup", "ema", "swa", "sampler", "env"}
-)
 
 
 class StepBypassesScaler(Check):
@@ -50,7 +41,7 @@ class StepBypassesScaler(Check):
         flow = scaler_analysis(self.context).flow(node)
         if flow.is_scaler(receiver):
             self._check_update(node, receiver, flow)
-        elif len(node.args) <= 1 and self._is_optimizer(receiver):
+        elif len(node.args) <= 1 and is_optimizer(receiver, self.context.names):
             self._check_plain_step(node, receiver, flow)
 
     def _check_plain_step(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
@@ -74,19 +65,6 @@ class StepBypassesScaler(Check):
             detail=f"{receiver.as_string()}.step() applies gradients scaled by GradScaler "
             "(inf/NaN steps are not skipped)",
         )
-
-    def _is_optimizer(self, receiver: nodes.NodeNG) -> bool:
-        """Built by a ``torch.optim`` class, or named like an optimizer (not a scheduler)."""
-        key: Optional[str] = expression_key(receiver)
-        if key is None:
-            return False
-        built_by = self.context.names.instance_class(receiver) or ""
-        if built_by.startswith("torch.optim.") and "lr_scheduler" not in built_by:
-            return True
-        words = name_words(key.rsplit(".", 1)[-1])
-        if NOT_OPTIMIZER_WORDS.intersection(words):
-            return False
-        return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)
 
     def _wraps_scaler(self, optimizer: nodes.NodeNG) -> bool:
         """The optimizer was built around the scaler (``AmpOptimizer(opt, scaler)``)."""

@@ -536,3 +536,12 @@ class HalfFitTrainer:
     def evaluate(self, loader):
         self.model.eval()
         return [self.model(x) for x, _ in loader]
+
+
+def pad_to_best_fit(images, size):
+    return images
+
+
+def resize_for_the_processor(images, size):
+    images = pad_to_best_fit(images, size)
+    return images.to(dtype=torch.bfloat16)

@@ -539,3 +539,23 @@ def some_inputs_upcast_by_the_caller(model, images, texts):
         img, txt, scale = model(images, texts)
     loss = info_nce(img.float(), txt.float(), scale)
     scaler.scale(loss).backward()
+
+
+def _update_losses(outputs, losses):
+    losses.setdefault("count", 0)
+    losses["count"] += len(outputs)
+    return outputs, losses
+
+
+def helper_named_for_losses_records_them(model, batch, history):
+    with torch.no_grad(), torch.autocast("cuda"):
+        outputs = model(batch)
+    outputs, history = _update_losses(outputs, history)
+    return outputs
+
+
+def loss_handed_to_a_scaler_helper(model, images, optimizer, loss_scaler):
+    with torch.autocast("cuda"):
+        pred, mask = model(images)
+    loss = reconstruction_loss(images, pred, mask)  # AMP002
+    loss_scaler(loss, optimizer)
