@@ -22,6 +22,7 @@ from astroid import nodes
 
 from flake8_amp.analysis.names import (
     chain_root,
+    code_frame,
     enclosing_class,
     keyword_value,
     last_part,
@@ -156,7 +157,7 @@ class GradContext:
         """``node`` is in code meant for inference, evaluation or export (see module doc)."""
         if self.file_is_inference:
             return True
-        scope = node.frame()
+        scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
@@ -170,7 +171,7 @@ class GradContext:
         method of its class) is named for training, calls ``.backward()`` /
         ``.zero_grad()``, or calls something named for training (``train_one_epoch()``,
         ``model.train()``)."""
-        scope = node.frame()
+        scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
@@ -235,7 +236,7 @@ class GradContext:
                 return True
             link = link.func.expr
         objects.add(object_key(link))
-        frozen = self._frozen_in(expr.frame())
+        frozen = self._frozen_in(code_frame(expr))
         if any(key in frozen for key in objects if key):
             return True
         return any(key in self._frozen_when_built(expr) for key in objects if key)

@@ -519,11 +519,20 @@ def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
     return value, position
 
 
+def code_frame(node: nodes.NodeNG) -> nodes.NodeNG:
+    """The function, class or module whose code ``node`` runs as part of: a lambda belongs
+    to the code that defines it (``tree_map(lambda t: t.half(), batch)`` in a train step)."""
+    frame = node.frame()
+    while isinstance(frame, nodes.Lambda) and not isinstance(frame, nodes.FunctionDef):
+        frame = frame.parent.frame()
+    return frame
+
+
 def is_self(expr: nodes.NodeNG) -> bool:
     """``expr`` is the first parameter of the method it appears in (``self``)."""
     if not isinstance(expr, nodes.Name):
         return False
-    function = expr.frame()
+    function = code_frame(expr)
     if not isinstance(function, nodes.FunctionDef) or not isinstance(
         function.parent, nodes.ClassDef
     ):
@@ -539,7 +548,7 @@ def is_self(expr: nodes.NodeNG) -> bool:
 
 def enclosing_class(node: nodes.NodeNG) -> Optional[nodes.ClassDef]:
     """The class whose method contains ``node``."""
-    function = node.frame()
+    function = code_frame(node)
     if isinstance(function, nodes.FunctionDef) and isinstance(function.parent, nodes.ClassDef):
         return function.parent
     return None

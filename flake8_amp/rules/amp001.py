@@ -13,7 +13,7 @@ from flake8_amp.analysis.context import (
     scope_nodes,
 )
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, LOW
-from flake8_amp.analysis.names import chain_root, is_self, simple_name
+from flake8_amp.analysis.names import chain_root, code_frame, is_self, simple_name
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
@@ -77,7 +77,7 @@ class ManualCast(Check):
         (``x["model"].half(); torch.save(x, f)``), or a ``deepcopy`` not kept under a name
         that the function trains (``model16 = deepcopy(model).half()`` then trained is
         training in fp16)."""
-        scope = node.frame()
+        scope = code_frame(node)
         root = chain_root(func.expr, CHAIN_METHODS)
         keys = {object_key(assign_target(_chain_top(node))), object_key(root)}
         keys.discard("")
@@ -147,7 +147,7 @@ def _round_trip(node: nodes.Call) -> bool:
 
 
 def _in_cast_definition(node: nodes.NodeNG) -> bool:
-    scope = node.frame()
+    scope = code_frame(node)
     return isinstance(scope, nodes.FunctionDef) and scope.name in CAST_DEFINITIONS
 
 

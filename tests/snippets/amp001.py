@@ -545,3 +545,16 @@ def pad_to_best_fit(images, size):
 def resize_for_the_processor(images, size):
     images = pad_to_best_fit(images, size)
     return images.to(dtype=torch.bfloat16)
+
+
+def step_with_lambda(model, batch, optimizer, tree_map):
+    batch = tree_map(lambda t: t.half(), batch)  # AMP001
+    model(batch).backward()
+    optimizer.step()
+
+
+class LambdaSelfTrainer:
+    def step(self, batch, optimizer):
+        outputs = list(map(lambda x: self.model(x.half()), batch))  # AMP001
+        sum(o.sum() for o in outputs).backward()
+        optimizer.step()
