@@ -11,7 +11,8 @@ enabled by a flag counts as on, so kinds describe the run with mixed precision o
 Knowledge flows through names (per function, the assignments that reach the use), tuple
 unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
-indexing and dtype-preserving methods. A generic model call is unknown.
+indexing, dtype-preserving methods and the return values of the module's functions. A
+generic model call is unknown.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from flake8_amp.analysis.names import (
     method_call,
     unpacked_value,
 )
-from flake8_amp.analysis.regions import BF16, CPU, FP16, Region
+from flake8_amp.analysis.regions import BF16, CPU, FP16, Region, returned_values
 
 FP32, LOW, INT = "fp32", "low", "int"
 LOW_KINDS = frozenset({FP16, BF16, LOW})
@@ -310,7 +311,16 @@ class Dtypes:
             return self._torch_function(call, callee, depth)
         if isinstance(func, nodes.Attribute) and callee is None:
             return self._method(call, func, depth)
+        if isinstance(func, nodes.Name):
+            return self._returned(call, depth)
         return None
+
+    def _returned(self, call: nodes.Call, depth: int) -> Optional[str]:
+        """What a function of this module returns (``def build(): return Net().half()``)."""
+        function = self.names.local_function(call)
+        returns = returned_values(function) if function is not None else None
+        kinds = {self._of(value, depth) for value in returns or ()}
+        return kinds.pop() if len(kinds) == 1 else None
 
     def _torch_function(self, call: nodes.Call, callee: Callee, depth: int) -> Optional[str]:
         op = callee.name

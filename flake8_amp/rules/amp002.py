@@ -144,8 +144,11 @@ class LossOutsideAutocast(Check):
         if definition is not None:
             # Its name is not enough (``_update_losses(outputs, losses)`` records them).
             return "computed" if self._computes_loss(definition) else None
-        if callee is None and local_class is None and _named_for_loss(name):
-            return "known"  # ``criterion(out, y)``: a parameter or attribute built elsewhere
+        if local_class is None and (callee is None or not callee.qualname.startswith("torch.")):
+            # Built or defined elsewhere: ``criterion(out, y)``, ``self.loss = build_loss(cfg)``,
+            # ``from .losses import focal_loss``.
+            if _named_for_loss(name) or (callee is not None and _named_for_loss(callee.name)):
+                return "known"
         return None
 
     def _local_definition(self, node: nodes.Call) -> Optional[nodes.FunctionDef]:

@@ -1,7 +1,8 @@
 """AMP011 tiny-epsilon: an epsilon below fp16's smallest subnormal guarding fp16 values.
 
 Reported where the dtype flow knows the values are fp16: ``x + 1e-8``, ``x.add(1e-8)``,
-``x.clamp(min=1e-8)`` / ``clamp_min``; and Adam-family optimizers whose ``eps`` (given
+``x.clamp(min=1e-8)`` / ``clamp_min``, ``F.normalize(x)`` computed in fp16 (its default eps is
+1e-12; CUDA autocast runs it in fp32); and Adam-family optimizers whose ``eps`` (given
 or default) is that small, built over ``model.parameters()`` of a model whose last cast
 before it in the same function is to fp16. bf16 shares fp32's exponent range, so 1e-8 is
 fine there.
@@ -32,6 +33,10 @@ OPTIMIZER_DEFAULT_EPS = {
     "torch.optim.Adagrad": 1e-10,
 }
 OPTIMIZER_NAMES = frozenset(qualname.rsplit(".", 1)[-1] for qualname in OPTIMIZER_DEFAULT_EPS)
+NORMALIZE = "torch.nn.functional.normalize"
+NORMALIZE_DEFAULT_EPS = 1e-12
+#: Calls whose default eps is tiny: their files need no tiny literal to be checked.
+DEFAULT_EPS_NAMES = OPTIMIZER_NAMES | {"normalize("}
 ADD_METHODS = frozenset({"add", "add_"})
 CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"})
 CLAMP_FUNCTIONS = frozenset({"torch.clamp", "torch.clip", "torch.clamp_min"})
@@ -51,9 +56,11 @@ class TinyEpsilon(Check):
 
     @classmethod
     def applies(cls, source, options):
-        """A tiny literal, or an optimizer whose default eps is tiny (``Adam(params)``)."""
+        """A tiny literal, or a call whose default eps is tiny (``Adam(params)``,
+        ``F.normalize(x)``)."""
         return super().applies(source, options) and (
-            TINY_LITERAL.search(source) is not None or any(n in source for n in OPTIMIZER_NAMES)
+            TINY_LITERAL.search(source) is not None
+            or any(name in source for name in DEFAULT_EPS_NAMES)
         )
 
     def visit_binop(self, node: nodes.BinOp) -> None:
@@ -73,7 +80,25 @@ class TinyEpsilon(Check):
             if _is_tiny(value) and self.context.dtypes.of(tensor) == FP16:
                 self.report(node, value=f"{value:g}")
             return
-        self._check_optimizer(node)
+        if not self._check_normalize(node):
+            self._check_optimizer(node)
+
+    def _check_normalize(self, node: nodes.Call) -> bool:
+        """``F.normalize(x, eps=...)`` (default 1e-12) computed in fp16: outside autocast on
+        an fp16 tensor (CUDA autocast runs it in fp32). True if ``node`` is a normalize."""
+        if attribute_not_in(node.func, {"normalize"}):
+            return False
+        if self.context.names.qualname(node.func) != NORMALIZE:
+            return False
+        given = call_argument(node, 3, "eps")
+        names = self.context.names
+        value = NORMALIZE_DEFAULT_EPS if given is None else numeric_constant(given, names)
+        tensor = call_argument(node, 0, "input")
+        dtypes = self.context.dtypes
+        if _is_tiny(value) and tensor is not None and dtypes.of(tensor) == dtypes.of(node) == FP16:
+            label = f"{value:g}" if given is not None else f"{value:g} (the default eps)"
+            self.report(node, value=label)
+        return True
 
     def _guarded_value(
         self, node: nodes.Call

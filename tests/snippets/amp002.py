@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn import functional as TF
 
+from losses import build_loss, focal_loss
+
 scaler = torch.amp.GradScaler("cuda")
 criterion = nn.CrossEntropyLoss()
 ctx = nullcontext() if torch.cuda.is_available() else torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
@@ -559,3 +561,22 @@ def loss_handed_to_a_scaler_helper(model, images, optimizer, loss_scaler):
         pred, mask = model(images)
     loss = reconstruction_loss(images, pred, mask)  # AMP002
     loss_scaler(loss, optimizer)
+
+
+class LossFromABuilder:
+    def __init__(self, model, cfg):
+        self.model = model
+        self.loss = build_loss(cfg)
+
+    def step(self, x, y):
+        with torch.autocast("cuda"):
+            out = self.model(x)
+        loss = self.loss(out, y)  # AMP002
+        scaler.scale(loss).backward()
+
+
+def imported_loss_function(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    loss = focal_loss(logits, y)  # AMP002
+    scaler.scale(loss).backward()

@@ -248,3 +248,29 @@ def norm_under_switch_is_fp32(x, w, use_amp):
     with torch.autocast("cuda", enabled=use_amp):
         h = x @ w
         return h / (h.norm(dim=-1, keepdim=True) + 1e-8)
+
+
+def normalize_half_index(emb):
+    return F.normalize(emb.half(), dim=-1)  # AMP011
+
+
+def normalize_half_with_eps(emb):
+    return F.normalize(emb.half(), dim=-1, eps=1e-12)  # AMP011
+
+
+def normalize_half_under_cuda_autocast(x, w):
+    with torch.autocast("cuda"):
+        return F.normalize(x @ w, dim=-1)
+
+
+def normalize_half_safe_eps(emb):
+    return F.normalize(emb.half(), dim=-1, eps=1e-4)
+
+
+def build_half_model(dim):
+    return nn.Linear(dim, dim).cuda().half()
+
+
+def optimizer_over_model_built_half(dim):
+    model = build_half_model(dim)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)  # AMP011
