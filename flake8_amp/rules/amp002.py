@@ -110,10 +110,7 @@ class LossOutsideAutocast(Check):
             return self._autocast_output_name(call_argument(node, 0, "input"))
         if any(self.context.dtypes.of(arg) == FP32 for arg in node.args):
             return None
-        params = definition.args.posonlyargs + definition.args.args
-        if isinstance(definition.parent, nodes.ClassDef):
-            params = params[1:]
-        for param, arg in zip(params, node.args):
+        for param, arg in zip(_parameters(definition), node.args):
             if isinstance(arg, nodes.Starred):
                 break
             produced = self._autocast_output_name(arg)
@@ -221,14 +218,21 @@ class LossOutsideAutocast(Check):
                         pending.append(value)
         return False
 
-    def _upcasts(self, function: nodes.FunctionDef, parameter: str) -> bool:
+    def _upcasts(self, function: nodes.FunctionDef, parameter: str, depth: int = 3) -> bool:
         """The loss definition casts ``parameter`` to fp32 itself (``logits =
-        logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``)."""
+        logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``), or hands it to a
+        function of the module that does (``stft_mag(pred)`` computing on ``x.float()``)."""
         for call in function.nodes_of_class(nodes.Call):
             receiver = method_call(call)[1]
             if isinstance(receiver, nodes.Name) and receiver.name == parameter:
                 if self.context.dtypes.cast_target(call) == FP32:
                     return True
+            inner = self.context.names.local_function(call) if depth > 0 else None
+            if inner is not None and inner is not function:
+                for inner_parameter, arg in zip(_parameters(inner), call.args):
+                    if isinstance(arg, nodes.Name) and arg.name == parameter:
+                        if self._upcasts(inner, inner_parameter.name, depth - 1):
+                            return True
         return False
 
     # -- where the prediction comes from -----------------------------------------------
@@ -338,6 +342,12 @@ class LossOutsideAutocast(Check):
             if isinstance(value, nodes.Call) and method_call(value)[0] in FP32_OUTPUT_WRAPPERS:
                 return True
         return False
+
+
+def _parameters(function: nodes.FunctionDef) -> List[nodes.AssignName]:
+    """The positional parameters a call fills (without ``self`` of a method)."""
+    params = function.args.posonlyargs + function.args.args
+    return params[1:] if isinstance(function.parent, nodes.ClassDef) else params
 
 
 def _is_torch_loss(qualname: str, instance: bool) -> bool:
