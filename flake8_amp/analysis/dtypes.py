@@ -123,8 +123,9 @@ CONVERSIONS = frozenset({"to", "type", "type_as"})
 VALUES_AND_INDICES: FrozenSet[str] = frozenset(
     "topk max min sort kthvalue mode median nanmedian cummax cummin".split()
 )
-#: Calls returning Python numbers (sizes, counts, math), which take a tensor's dtype.
-NUMBER_CALLS = frozenset({"len", "float", "int", "item", "size", "numel", "dim"})
+#: Builtins and tensor methods returning Python numbers, which take a tensor's dtype.
+NUMBER_BUILTINS = frozenset({"len", "float", "int", "round"})
+NUMBER_METHODS = frozenset({"item", "size", "numel", "dim"})
 _ARITHMETIC = frozenset({"+", "-", "*", "/"})
 _MAX_DEPTH = 12
 
@@ -278,24 +279,40 @@ class Dtypes:
             return (kinds - {INT}).pop()
         return FP32 if kinds == {FP16, BF16} else None
 
-    def is_number(self, expr: nodes.NodeNG) -> bool:
-        """A Python number (or 0-dim tensor of one): a literal, a name bound to numbers, a
-        parameter defaulting to one (``temperature=0.05``), sizes, ``len()``, ``math.*``."""
+    def is_number(self, expr: nodes.NodeNG, _depth: int = 4) -> bool:
+        """A Python number (or 0-dim tensor of one): a literal, a name or ``self.<x>`` bound
+        only to numbers, a parameter defaulting to one (``temperature=0.05``), sizes
+        (``B, N, C = x.shape``, ``x.size(0)``, ``len()``), ``math.*``, arithmetic of these."""
+        if _depth <= 0:
+            return False
         if numeric_constant(expr, self.names) is not None:
             return True
         if isinstance(expr, nodes.Name):
             default = self.names.parameter_default(expr)
-            return default is not None and numeric_constant(default, self.names) is not None
+            if default is not None:
+                return numeric_constant(default, self.names) is not None
+            bindings = self.names.reaching_bindings(expr)
+            return bool(bindings) and all(self._binds_number(b, _depth) for b in bindings)
+        if isinstance(expr, nodes.Attribute):
+            values = self.names.bound_values(expr)
+            return bool(values) and all(self.is_number(v, _depth - 1) for v in values)
         if isinstance(expr, nodes.Subscript):
-            return isinstance(expr.value, nodes.Attribute) and expr.value.attrname == "shape"
+            return _is_shape(expr.value)
         if isinstance(expr, nodes.BinOp):
-            return self.is_number(expr.left) and self.is_number(expr.right)
+            return self.is_number(expr.left, _depth - 1) and self.is_number(expr.right, _depth - 1)
         if isinstance(expr, nodes.Call):
             if isinstance(expr.func, nodes.Name) and not self.names.bindings(expr.func):
-                return expr.func.name in NUMBER_CALLS  # a builtin
+                return expr.func.name in NUMBER_BUILTINS
             qualname = self.names.qualname(expr.func) or ""
-            return qualname.startswith("math.") or method_call(expr)[0] in NUMBER_CALLS
+            return qualname.startswith("math.") or method_call(expr)[0] in NUMBER_METHODS
         return False
+
+    def _binds_number(self, binding: nodes.NodeNG, depth: int) -> bool:
+        value = assigned_value(binding)
+        if value is not None:
+            return self.is_number(value, depth - 1)
+        unpacked = unpacked_value(binding)
+        return unpacked is not None and _is_shape(unpacked[0])
 
     def _call(self, call: nodes.Call, depth: int) -> Optional[str]:
         explicit = self.constant(keyword_value(call, "dtype"))
@@ -365,6 +382,13 @@ class Dtypes:
         if autocast_fp32_op(op, region):
             return FP32
         return input_kind
+
+
+def _is_shape(expr: nodes.NodeNG) -> bool:
+    """``x.shape`` or ``x.size()``: sizes are Python ints."""
+    if isinstance(expr, nodes.Attribute):
+        return expr.attrname == "shape"
+    return isinstance(expr, nodes.Call) and method_call(expr)[0] == "size" and not expr.args
 
 
 def _is_device(arg: nodes.NodeNG) -> bool:

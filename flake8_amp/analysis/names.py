@@ -306,27 +306,32 @@ class Names:
         }
         return classes.pop() if len(classes) == 1 else None
 
-    def local_class(self, expr: nodes.NodeNG) -> Optional[nodes.ClassDef]:
+    def local_class(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[nodes.ClassDef]:
         """The class defined in this module whose call built ``expr``'s object, if any
-        (``Net(...)``, ``model`` after ``model = Net(...)``, ``self.criterion`` after
-        ``self.criterion = DiceLoss()``)."""
+        (``Net(...)``, ``model`` after ``model = Net(...).to(device)``, ``self.criterion``
+        after ``self.criterion = DiceLoss()``)."""
+        if _depth > _MAX_DEPTH:
+            return None
+        if isinstance(expr, nodes.Call):
+            expr = chain_root(expr, _RETURNS_SELF)
         if isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Name):
             classes = [b for b in self.bindings(expr.func) if isinstance(b, nodes.ClassDef)]
             return classes[0] if len(classes) == 1 else None
         if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
             values = self.self_attribute_values(expr)
-            built = {self.local_class(v) if isinstance(v, nodes.Call) else None for v in values}
-            return built.pop() if len(built) == 1 else None
-        if not isinstance(expr, nodes.Name):
+        elif isinstance(expr, nodes.Name):
+            statement = expr.statement()
+            values = [
+                assigned_value(binding)
+                for binding in self.bindings(expr)
+                if binding.statement() is not statement
+            ]
+        else:
             return None
-        statement = expr.statement()
-        found = set()
-        for binding in self.bindings(expr):
-            if binding.statement() is statement:
-                continue
-            value = assigned_value(binding)
-            found.add(self.local_class(value) if isinstance(value, nodes.Call) else None)
-        return found.pop() if len(found) == 1 else None
+        built = {
+            self.local_class(v, _depth + 1) if isinstance(v, nodes.Call) else None for v in values
+        }
+        return built.pop() if len(built) == 1 else None
 
     def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
         """Values assigned to ``self.<attr>`` anywhere in the enclosing class's methods."""

@@ -353,3 +353,18 @@ def step_with_any_context(model, x, y, context):
 
 def run_with_lock(model, x, y, lock):
     step_with_any_context(model, x, y, lock)
+
+
+class BceHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.loss = nn.BCELoss()
+
+    def forward(self, probs, targets):
+        return self.loss(probs, targets)  # AMP003
+
+
+def head_moved_to_device_called_under_autocast(probs, targets, device):
+    head = BceHead().to(device)
+    with torch.autocast("cuda"):
+        return head(probs, targets)

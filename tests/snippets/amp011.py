@@ -274,3 +274,24 @@ def build_half_model(dim):
 def optimizer_over_model_built_half(dim):
     model = build_half_model(dim)
     return torch.optim.AdamW(model.parameters(), lr=1e-4)  # AMP011
+
+
+class TemperedSoftmax(nn.Module):
+    def __init__(self, temperature=1.0):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, logits):
+        z = logits.half() / self.temperature
+        return z.exp() / (z.exp().sum(dim=-1, keepdim=True) + 1e-10)  # AMP011
+
+
+def scaled_by_width(x):
+    B, N, C = x.shape
+    h = x.half() * C ** -0.5
+    return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)  # AMP011
+
+
+def scaled_by_fp32_tensor(x, weight):
+    h = x.half() * weight.float()
+    return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)
