@@ -533,6 +533,29 @@ def code_frame(node: nodes.NodeNG) -> nodes.NodeNG:
     return frame
 
 
+def bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """The value assigned to ``binding``: also an element of tuple unpacking (``a, b = f()``:
+    ``f()``; ``a, b = x, y``: ``x``), the added term of ``loss += term``, and the iterable a
+    loop or comprehension target comes from (``for a in aux_outputs``)."""
+    value = assigned_value(binding)
+    if value is not None:
+        return value
+    unpacked = unpacked_value(binding)
+    if unpacked is not None:
+        value, index = unpacked
+        return value.elts[index] if isinstance(value, (nodes.Tuple, nodes.List)) else value
+    parent = binding.parent
+    if isinstance(parent, nodes.AugAssign):
+        return parent.value
+    if isinstance(parent, (nodes.For, nodes.Comprehension)) and parent.target is binding:
+        return parent.iter
+    while isinstance(parent, (nodes.Tuple, nodes.List, nodes.Starred)):
+        parent = parent.parent
+    if isinstance(parent, nodes.Assign):
+        return parent.value
+    return None
+
+
 def is_self(expr: nodes.NodeNG) -> bool:
     """``expr`` is the first parameter of the method it appears in (``self``)."""
     if not isinstance(expr, nodes.Name):

@@ -26,7 +26,13 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.names import enclosing_class, is_self, keyword_value, method_call
+from flake8_amp.analysis.names import (
+    bound_value,
+    enclosing_class,
+    is_self,
+    keyword_value,
+    method_call,
+)
 
 GRAD_SCALERS = frozenset(
     {
@@ -433,6 +439,48 @@ def backpropagated_tensor(call: nodes.Call, names) -> Optional[nodes.NodeNG]:
     if not call.args:
         return receiver
     return call.args[0] if names.qualname(call.func) in AUTOGRAD_BACKWARD else None
+
+
+#: Calls that backpropagate their receiver or argument.
+BACKWARD_METHODS = frozenset({"backward", "manual_backward"})
+
+
+def _backpropagated_expressions(scope: nodes.NodeNG, names) -> Iterator[nodes.NodeNG]:
+    """What the backward calls of ``scope`` backpropagate: ``x`` in ``x.backward()``,
+    ``torch.autograd.backward(x)``, ``accelerator.backward(x)``, ``scaler.scale(x).backward()``,
+    and what calls that step an optimizer receive (``loss_scaler(x, optimizer)``,
+    ``optim_wrapper.update_params(x)``)."""
+    for call in scope.nodes_of_class(nodes.Call):
+        method, receiver = method_call(call)
+        if method in BACKWARD_METHODS:
+            if receiver is not None and not call.args:
+                yield receiver
+            yield from call.args
+        elif (receiver is not None and is_optimizer(receiver, names)) or any(
+            is_optimizer(arg, names) for arg in call.args
+        ):
+            yield from call.args
+
+
+def reaches_backward(node: nodes.NodeNG, names) -> bool:
+    """``node``'s result flows (through names and arithmetic in its function) into what a
+    backward call backpropagates (``loss.backward()``, ``scaler.scale(loss)``,
+    ``accelerator.backward(loss)``, ``loss_scaler(loss, optimizer)``)."""
+    pending: List[nodes.NodeNG] = list(_backpropagated_expressions(node.scope(), names))
+    seen = set()
+    while pending:
+        expr = pending.pop()
+        if expr in seen:
+            continue
+        seen.add(expr)
+        if expr is node or any(sub is node for sub in expr.nodes_of_class(nodes.Call)):
+            return True
+        for name in expr.nodes_of_class(nodes.Name):
+            for binding in names.reaching_bindings(name):
+                value = bound_value(binding)
+                if value is not None:
+                    pending.append(value)
+    return False
 
 
 def _arguments(call: nodes.Call) -> Iterator[nodes.NodeNG]:

@@ -18,23 +18,22 @@ way (``.float()``), or in the loss's own definition, makes it fine.
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
 from flake8_amp.analysis.names import (
-    assigned_value,
     chain_root,
     call_argument,
     last_part,
     method_call,
+    bound_value,
     simple_name,
-    unpacked_value,
 )
 from flake8_amp.analysis.regions import returned_values
-from flake8_amp.analysis.scaler import is_optimizer
+from flake8_amp.analysis.scaler import reaches_backward
 from flake8_amp.engine import Check, Options, mentions_autocast
 
 #: Functional losses whose names do not end in ``_loss``.
@@ -65,8 +64,6 @@ DATA_METHODS = frozenset(
 ) | set(CAST_METHODS)
 #: Methods leaving the tensor world: tracing a prediction stops there.
 TO_PYTHON = frozenset({"numpy", "item", "tolist"})
-#: Calls that backpropagate their receiver or argument.
-BACKWARD_METHODS = frozenset({"backward", "manual_backward"})
 
 
 class LossOutsideAutocast(Check):
@@ -93,7 +90,7 @@ class LossOutsideAutocast(Check):
         produced = self._produced_prediction(node, definition)
         if produced is None:
             return
-        if kind == "computed" and not self._backpropagated(node):
+        if kind == "computed" and not reaches_backward(node, self.context.names):
             return  # a metric (``accuracy(output, target)``), not a loss
         self.report(node, loss=self.source_text(node.func), arg=produced)
 
@@ -197,27 +194,6 @@ class LossOutsideAutocast(Check):
         inner = receiver if callee is None else (expr.args[0] if expr.args else None)
         return inner is not None and self._loss_expression(inner, depth - 1)
 
-    def _backpropagated(self, node: nodes.Call) -> bool:
-        """``node``'s result flows (through names and arithmetic in its function) into what a
-        backward call backpropagates (``loss.backward()``, ``scaler.scale(loss)``,
-        ``accelerator.backward(loss)``)."""
-        names = self.context.names
-        pending: List[nodes.NodeNG] = list(_backpropagated_expressions(node.scope(), names))
-        seen = set()
-        while pending:
-            expr = pending.pop()
-            if expr in seen:
-                continue
-            seen.add(expr)
-            if expr is node or any(sub is node for sub in expr.nodes_of_class(nodes.Call)):
-                return True
-            for name in expr.nodes_of_class(nodes.Name):
-                for binding in self.context.names.reaching_bindings(name):
-                    value = _bound_value(binding)
-                    if value is not None:
-                        pending.append(value)
-        return False
-
     def _upcasts(self, function: nodes.FunctionDef, parameter: str, depth: int = 3) -> bool:
         """The loss definition casts ``parameter`` to fp32 itself (``logits =
         logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``), or hands it to a
@@ -255,7 +231,7 @@ class LossOutsideAutocast(Check):
         dtypes = self.context.dtypes
         statement = name.statement()
         for binding in self.context.names.reaching_bindings(name):
-            value = _bound_value(binding)
+            value = bound_value(binding)
             if binding.statement() is statement and not isinstance(
                 binding.parent, nodes.Comprehension
             ):
@@ -338,7 +314,7 @@ class LossOutsideAutocast(Check):
         if not isinstance(model, nodes.Name):
             return False
         for binding in self.context.names.reaching_bindings(model):
-            value = _bound_value(binding)
+            value = bound_value(binding)
             if isinstance(value, nodes.Call) and method_call(value)[0] in FP32_OUTPUT_WRAPPERS:
                 return True
         return False
@@ -365,43 +341,3 @@ def _is_torch_loss(qualname: str, instance: bool) -> bool:
 def _named_for_loss(name: str) -> bool:
     words = set(name_words(name))
     return bool(words & LOSS_WORDS) and not words & NOT_LOSS_WORDS
-
-
-def _backpropagated_expressions(scope: nodes.NodeNG, names) -> Iterator[nodes.NodeNG]:
-    """What the backward calls of ``scope`` backpropagate: ``x`` in ``x.backward()``,
-    ``torch.autograd.backward(x)``, ``accelerator.backward(x)``, ``scaler.scale(x).backward()``,
-    and what calls that step an optimizer receive (``loss_scaler(x, optimizer)``,
-    ``optim_wrapper.update_params(x)``)."""
-    for call in scope.nodes_of_class(nodes.Call):
-        method, receiver = method_call(call)
-        if method in BACKWARD_METHODS:
-            if receiver is not None and not call.args:
-                yield receiver
-            yield from call.args
-        elif (receiver is not None and is_optimizer(receiver, names)) or any(
-            is_optimizer(arg, names) for arg in call.args
-        ):
-            yield from call.args
-
-
-def _bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
-    """The value assigned to ``binding``: also an element of tuple unpacking (``a, b = f()``:
-    ``f()``; ``a, b = x, y``: ``x``), the added term of ``loss += term``, and the iterable a
-    loop or comprehension target comes from (``for a in aux_outputs``)."""
-    value = assigned_value(binding)
-    if value is not None:
-        return value
-    unpacked = unpacked_value(binding)
-    if unpacked is not None:
-        value, index = unpacked
-        return value.elts[index] if isinstance(value, (nodes.Tuple, nodes.List)) else value
-    parent = binding.parent
-    if isinstance(parent, nodes.AugAssign):
-        return parent.value
-    if isinstance(parent, (nodes.For, nodes.Comprehension)) and parent.target is binding:
-        return parent.iter
-    while isinstance(parent, (nodes.Tuple, nodes.List, nodes.Starred)):
-        parent = parent.parent
-    if isinstance(parent, nodes.Assign):
-        return parent.value
-    return None

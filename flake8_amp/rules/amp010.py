@@ -1,8 +1,10 @@
 """AMP010 scaler-dtype-mismatch: fp16 autocast without a GradScaler, or a GradScaler with bf16.
 
 Judged per function (and per module body, for scripts) from regions whose dtype is known:
-- an fp16 region and a plain ``backward()`` (not ``accelerator.backward(loss)`` or other
-  wrappers, not a manually scaled loss), in a function that uses and names no scaler
+- an fp16 region (its own, or one that a function of the module it calls for the loss
+  opens: ``loss = forward_step(model, batch)``) and a plain ``backward()`` (not
+  ``accelerator.backward(loss)`` or other wrappers, not a manually scaled loss), in a
+  function that uses and names no scaler
   (``loss_scaler(loss, optimizer)``) and that no ``GradScaler`` of the file can reach
   (one kept in another function's local variable cannot);
 - a bf16 region in a function that scales its backward with a scaler that is built
@@ -16,7 +18,7 @@ A backward of a manually scaled loss (``(loss * 1024.0).backward()``) is not pla
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -27,6 +29,7 @@ from flake8_amp.analysis.scaler import (
     NESTED_SCOPES,
     backpropagated_tensor,
     calls_in_order,
+    reaches_backward,
     scaler_analysis,
 )
 from flake8_amp.engine import Check, mentions_autocast
@@ -56,7 +59,7 @@ class ScalerDtypeMismatch(Check):
 
     def _check_scope(self, scope: nodes.NodeNG) -> None:
         entries = list(self._region_entries(scope))
-        fp16 = [(opener, region) for opener, region in entries if region.dtype == FP16]
+        fp16 = self._fp16_with_grad(entries) + self._helper_fp16_regions(scope)
         if fp16 and self._has_plain_backward(scope) and not self._mentions_scaler(scope):
             opener, region = fp16[0]
             self.report(
@@ -66,6 +69,32 @@ class ScalerDtypeMismatch(Check):
             )
         if entries:
             self._record_scaler_uses(scope, {region.dtype for _, region in entries})
+
+    def _fp16_with_grad(
+        self, entries: Iterable[Tuple[nodes.NodeNG, Region]]
+    ) -> List[Tuple[nodes.NodeNG, Region]]:
+        """The fp16 regions among ``entries`` whose code has gradients (a teacher's forward
+        under ``torch.no_grad()`` produces nothing to backpropagate)."""
+        grad = self.context.grad
+        return [
+            (opener, region)
+            for opener, region in entries
+            if region.dtype == FP16 and not grad.no_grad_at(_opened_by(opener).body[0])
+        ]
+
+    def _helper_fp16_regions(self, scope: nodes.NodeNG) -> List[Tuple[nodes.NodeNG, Region]]:
+        """fp16 regions of the module's functions that ``scope`` calls for what it
+        backpropagates (``loss = forward_step(model, batch); loss.backward()``)."""
+        names = self.context.names
+        found = []
+        for call in calls_in_order(scope):
+            helper = names.local_function(call)
+            if helper is None or helper is scope:
+                continue
+            helper_fp16 = self._fp16_with_grad(self._region_entries(helper))
+            if helper_fp16 and reaches_backward(call, names):
+                found.extend(helper_fp16)
+        return found
 
     def _record_scaler_uses(self, scope: nodes.NodeNG, dtypes: Set[Optional[str]]) -> None:
         flow = scaler_analysis(self.context).flow(scope)
@@ -139,6 +168,12 @@ def _identifiers(node: nodes.NodeNG) -> List[str]:
         else:
             words.append(sub.name if isinstance(sub, nodes.AssignName) else sub.attrname)
     return words
+
+
+def _opened_by(opener: nodes.NodeNG) -> nodes.NodeNG:
+    """The ``with`` statement or decorated function whose item or decorator ``opener`` is."""
+    parent = opener.parent
+    return parent.parent if isinstance(parent, nodes.Decorators) else parent
 
 
 def _own_nodes(scope: nodes.NodeNG, kind: type) -> Iterator[nodes.NodeNG]:

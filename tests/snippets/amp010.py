@@ -285,3 +285,37 @@ def apex_amp(model, batch, optimizer, amp):
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         scaled_loss.backward()
     optimizer.step()
+
+
+def forward_step(model, batch):
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        return model(batch)
+
+
+def train_through_forward_step(model, loader, optimizer):
+    for batch in loader:
+        loss = forward_step(model, batch)
+        loss.backward()
+        optimizer.step()
+
+
+def teacher_logits(teacher, batch):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        return teacher(batch)
+
+
+def train_student_in_fp32(student, teacher, loader, optimizer):
+    for batch in loader:
+        soft = teacher_logits(teacher, batch)
+        loss = (student(batch) - soft.float()).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+
+
+def train_student_with_teacher_in_the_same_function(student, teacher, loader, optimizer):
+    for batch in loader:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            soft = teacher(batch)
+        loss = (student(batch) - soft.float()).pow(2).mean()
+        loss.backward()
+        optimizer.step()
