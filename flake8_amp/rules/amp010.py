@@ -59,8 +59,10 @@ class ScalerDtypeMismatch(Check):
 
     def _check_scope(self, scope: nodes.NodeNG) -> None:
         entries = list(self._region_entries(scope))
-        fp16 = self._fp16_with_grad(entries) + self._helper_fp16_regions(scope)
-        if fp16 and self._has_plain_backward(scope) and not self._mentions_scaler(scope):
+        fp16 = []
+        if self._has_plain_backward(scope):
+            fp16 = self._fp16_with_grad(entries) + self._helper_fp16_regions(scope)
+        if fp16 and not self._mentions_scaler(scope):
             opener, region = fp16[0]
             self.report(
                 region.source or opener,
