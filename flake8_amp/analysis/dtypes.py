@@ -8,7 +8,8 @@ dtypes named by constants), and the per-op rules of autocast inside a region (ma
 linear/conv and ``nn.Linear``/``nn.Conv*`` modules produce the region's dtype; ops on
 autocast's fp32 list produce fp32 — per device, from PyTorch's published lists; a region
 enabled by a flag counts as on, so kinds describe the run with mixed precision on).
-Knowledge flows through names (per function, the assignments that reach the use), tuple
+Knowledge flows through names (per function, the assignments that reach the use),
+``self.<x>`` attributes (when every assignment in the class agrees), tuple
 unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
 indexing, dtype-preserving methods and the return values of the module's functions. A
@@ -25,6 +26,7 @@ from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import (
     Callee,
     assigned_value,
+    is_self,
     keyword_value,
     last_part,
     method_call,
@@ -220,6 +222,10 @@ class Dtypes:
             return self._of(expr.value, depth)
         if isinstance(expr, nodes.Attribute) and expr.attrname in ("T", "mT", "H", "data", "grad"):
             return self._of(expr.expr, depth)
+        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            # ``self.model`` after ``self.model = model.half()``: every method must agree.
+            kinds = {self._of(value, depth) for value in self.names.self_attribute_values(expr)}
+            return kinds.pop() if len(kinds) == 1 else None
         if isinstance(expr, nodes.IfExp):
             kinds = {self._of(expr.body, depth), self._of(expr.orelse, depth)}
             return kinds.pop() if len(kinds) == 1 else None

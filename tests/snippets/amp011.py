@@ -295,3 +295,22 @@ def scaled_by_width(x):
 def scaled_by_fp32_tensor(x, weight):
     h = x.half() * weight.float()
     return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)
+
+
+class HalfTrainer:
+    def __init__(self, model):
+        self.model = model.half()
+
+    def build_optimizer(self):
+        return torch.optim.Adam(self.model.parameters(), lr=1e-3)  # AMP011
+
+
+class RestoredTrainer:
+    def __init__(self, model):
+        self.model = model.half()
+
+    def restore_fp32(self):
+        self.model = self.model.float()
+
+    def build_optimizer(self):
+        return torch.optim.Adam(self.model.parameters(), lr=1e-3)
