@@ -203,6 +203,51 @@ def test_every_spelling_of_a_big_constant_passes_the_pre_check(tmp_path, flake8,
     assert codes(result.stdout) == ["AMP007"], result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    "source, code",
+    [
+        (
+            """\
+            import torch.nn as nn
+
+
+            class Windows(nn.Module):
+                def forward(self, scores, n):
+                    return nn.functional.pad(scores, (0, n), value=-1e9)
+            """,
+            "AMP007",
+        ),
+        (
+            """\
+            def train(model, loader, optimizer):
+                for x, y in loader:
+                    model(x.type("torch.cuda.BFloat16Tensor"), y).backward()
+                    optimizer.step()
+            """,
+            "AMP001",
+        ),
+        (
+            """\
+            import torch
+
+
+            def step(model, x, y, criterion, scaler):
+                with torch.autocast("cuda"):
+                    out = model(x)
+                scaler.scale(criterion(out, y)).backward()
+            """,
+            "AMP002",
+        ),
+    ],
+    ids=["pad", "bfloat16-tensor-string", "criterion"],
+)
+def test_new_shapes_pass_the_pre_check(tmp_path, flake8, source, code):
+    path = tmp_path / "train_step.py"
+    path.write_text(textwrap.dedent(source))
+    result = flake8(["--isolated", "--select=AMP", path])
+    assert code in codes(result.stdout), result.stdout + result.stderr
+
+
 def test_analysis_failure_is_one_amp000_line_not_a_traceback():
     # Python parses this 1000-term sum, but building astroid's tree recurses too deep.
     # (Through the flake8 CLI, pyflakes already fails on such a file, so call the checker.)
