@@ -20,15 +20,16 @@ BCE_IN_CUSTOM_REGION = textwrap.dedent("""\
             return F.binary_cross_entropy(model(x), y)
     """)
 
+# Named for what it is not (a loss called ``focal_loss`` is known by its name).
 FOCAL_LOSS_OUTSIDE = textwrap.dedent("""\
     import torch
-    from mylib.losses import focal_loss
+    from mylib.objectives import sigmoid_focal
 
 
     def step(model, x, y):
         with torch.autocast("cuda"):
             logits = model(x)
-        return focal_loss(logits, y)
+        return sigmoid_focal(logits, y)
     """)
 
 ROLLOUT_CAST = textwrap.dedent("""\
@@ -87,7 +88,7 @@ def test_noqa(tmp_path, flake8, noqa, expected):
     [
         ("amp-autocast-functions", "mylib.amp.my_amp_ctx", BCE_IN_CUSTOM_REGION, "AMP003"),
         ("amp-autocast-functions", "my_amp_ctx", BCE_IN_CUSTOM_REGION, "AMP003"),
-        ("amp-loss-functions", "mylib.losses.focal_loss", FOCAL_LOSS_OUTSIDE, "AMP002"),
+        ("amp-loss-functions", "mylib.objectives.sigmoid_focal", FOCAL_LOSS_OUTSIDE, "AMP002"),
     ],
 )
 def test_options_enable_findings_on_command_line(tmp_path, flake8, option, value, source, code):
