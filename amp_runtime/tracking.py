@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -42,6 +42,21 @@ def user_source() -> Optional[str]:
     """``file:line`` of the user's code running now, or None."""
     frame = user_frame()
     return None if frame is None else format_source(frame.f_code.co_filename, frame.f_lineno)
+
+
+#: ``(file, line)`` of the user's code, kept with a deferred reading and formatted
+#: (``format_location``) only if its judge reports something.
+Location = Optional[Tuple[str, int]]
+
+
+def user_location() -> Location:
+    """Where the user's code runs now, unformatted (cheaper than ``user_source``)."""
+    frame = user_frame()
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def format_location(location: Location) -> Optional[str]:
+    return None if location is None else format_source(*location)
 
 
 def op_name(func) -> str:
@@ -76,6 +91,26 @@ class ModuleTracker:
         if not stack:
             return None
         return self._path(stack[-1], stack) or type(stack[-1]).__name__
+
+    def site(self) -> Tuple[Optional[str], Location]:
+        """Where the running op was called: the innermost running module's path and the user's
+        code, read in one walk up the stack that stops once both are found: a few frames for
+        an op inside a forward, cheap enough to take for every op while tracing."""
+        frame = sys._getframe(1)
+        module_path, location = None, None
+        while frame is not None and (module_path is None or location is None):
+            code = frame.f_code
+            if module_path is None and code is _CALL_IMPL_CODE:
+                module = frame.f_locals.get("self")
+                if isinstance(module, torch.nn.Module):
+                    module_path = self._names.get(module)
+                    if module_path is None:  # the first time: named from the running modules
+                        module_path = self.current()
+                    module_path = module_path or type(module).__name__
+            elif location is None and not code.co_filename.startswith(_SKIPPED_DIRS):
+                location = (code.co_filename, frame.f_lineno)
+            frame = frame.f_back
+        return module_path, location
 
     def name_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` (running or not), or its class name when unknown."""

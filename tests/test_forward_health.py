@@ -112,14 +112,18 @@ def test_trace_off_reports_the_loss_only():
     assert {e.code for e in g.report} == {"AMP112"}
 
 
-def test_policy_raise_stops_at_the_faulty_op():
+def test_policy_raise_stops_the_faulty_step_naming_the_op():
+    """Per-op peaks are judged together at the step's commit point (no host sync per op): here
+    the scaler's update, since the scaler skips the step. GuardError stops the run there, and
+    the event names the op's module and line as they were when it ran."""
     with pytest.raises(GuardError) as caught:
         with amp_runtime.guard(policy="raise", trace="always") as g:
             run_training(5, g, overflow_steps={2})
-    assert caught.value.event.code == "AMP101"
-    assert caught.value.event.module == "blocks.2.fc2"
+    event = caught.value.event
+    assert (event.code, event.module, event.step) == ("AMP101", "blocks.2.fc2", 2)
+    assert event.source == f"{THIS_FILE}:{FC2_LINE}"
     frames = traceback.extract_tb(caught.value.__traceback__)
-    assert any(f.filename == __file__ and f.lineno == FC2_LINE for f in frames)
+    assert [f.line for f in frames if f.filename == __file__][-1] == "scaler.update()"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
