@@ -41,9 +41,10 @@ class ReadCounts:
 
     #: Device-to-host copies started (one per device and commit).
     copies: int = 0
-    #: Batches read after their copy was known complete: no host sync.
+    #: Batches judged (each once, after its copies were known complete).
     reads: int = 0
-    #: Batches read before their copy was known complete: the host waited for the device.
+    #: Times the host waited for copies not known complete (a host sync on a GPU): at a flush,
+    #: or when too many batches are in flight. Never in a steady training step.
     waits: int = 0
 
 
@@ -112,7 +113,9 @@ class Readings:
             copies = [self._start_copy(torch.cat(part)) for part in parts]
         self._in_flight.append(_Batch(copies, entries))
         if len(self._in_flight) > MAX_IN_FLIGHT:
-            self._read(self._in_flight.popleft())
+            oldest = self._in_flight.popleft()
+            self._wait(oldest)
+            self._read(oldest)
 
     def poll(self) -> None:
         """Judge, in order, every batch whose copy is known complete; never waits."""
@@ -121,8 +124,13 @@ class Readings:
             self._read(in_flight.popleft())
 
     def flush(self) -> None:
-        """Commit and judge everything, waiting for the device if it has not caught up."""
+        """Commit and judge everything, waiting (once) for the device if it has not caught up:
+        the newest copies are waited for first, and the older ones, queued before them on the
+        device, have arrived by then."""
         self.commit()
+        for batch in reversed(self._in_flight):
+            if not self._complete(batch):
+                self._wait(batch)
         while self._in_flight:
             self._read(self._in_flight.popleft())
 
@@ -155,16 +163,17 @@ class Readings:
         """Whether every copy of ``batch`` has arrived (a non-blocking query)."""
         return all(done is None or done.query() for _, done in batch.copies)
 
+    def _wait(self, batch: _Batch) -> None:
+        """Block until ``batch``'s copies have arrived: the one place the host waits."""
+        self.counts.waits += 1
+        for _, done in batch.copies:
+            if done is not None:
+                done.synchronize()
+
     def _read(self, batch: _Batch) -> None:
-        """Judge ``batch``, waiting for its copies first if they are not known complete. A judge
-        that raises (GuardError under policy="raise") does so after the whole batch is judged."""
-        if self._complete(batch):
-            self.counts.reads += 1
-        else:
-            self.counts.waits += 1
-            for _, done in batch.copies:
-                if done is not None:
-                    done.synchronize()
+        """Judge ``batch``, whose copies have arrived. A judge that raises (GuardError under
+        policy="raise") does so once the whole batch is judged."""
+        self.counts.reads += 1
         values = [host.tolist() for host, _ in batch.copies]
         error = None
         for judge, step, spans in batch.entries:
