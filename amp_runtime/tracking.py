@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import List, Optional, Tuple
+from types import CodeType, FrameType
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -81,6 +82,11 @@ class ModuleTracker:
 
     def __init__(self, model: Optional[torch.nn.Module] = None):
         self._names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+        #: The module call frame ``site`` read last, its module's path and the user's code
+        #: that called it.
+        self._last_call: Tuple[Optional[FrameType], Optional[str], Location] = (None, None, None)
+        #: Whether a code object is the user's (outside torch and amp_runtime), as ``site`` found.
+        self._user_code: Dict[CodeType, bool] = {}
         if model is not None:
             for name, module in model.named_modules():
                 self._names.setdefault(module, name)
@@ -94,23 +100,47 @@ class ModuleTracker:
 
     def site(self) -> Tuple[Optional[str], Location]:
         """Where the running op was called: the innermost running module's path and the user's
-        code, read in one walk up the stack that stops once both are found: a few frames for
-        an op inside a forward, cheap enough to take for every op while tracing."""
+        code, read in one short walk up the stack, cheap enough to take for every op while
+        tracing. It stops at the innermost module call when the op ran in the user's code of
+        that module's forward; for an op inside a module of torch's (``nn.Linear``) the user's
+        line is the one that called the module, remembered with the call."""
         frame = sys._getframe(1)
-        module_path, location = None, None
-        while frame is not None and (module_path is None or location is None):
+        location = None
+        user_code = self._user_code
+        while frame is not None:
             code = frame.f_code
-            if module_path is None and code is _CALL_IMPL_CODE:
-                module = frame.f_locals.get("self")
-                if isinstance(module, torch.nn.Module):
-                    module_path = self._names.get(module)
-                    if module_path is None:  # the first time: named from the running modules
-                        module_path = self.current()
-                    module_path = module_path or type(module).__name__
-            elif location is None and not code.co_filename.startswith(_SKIPPED_DIRS):
-                location = (code.co_filename, frame.f_lineno)
+            if code is _CALL_IMPL_CODE:
+                call, module_path, call_location = self._last_call
+                if frame is not call:  # ops of one forward: read its module once
+                    module_path, call_location = self._module_call(frame)
+                return module_path, location or call_location
+            if location is None:
+                users = user_code.get(code)
+                if users is None:
+                    users = user_code[code] = not code.co_filename.startswith(_SKIPPED_DIRS)
+                if users:
+                    location = (code.co_filename, frame.f_lineno)
             frame = frame.f_back
+        return None, location
+
+    def _module_call(self, frame: FrameType) -> Tuple[Optional[str], Location]:
+        """The module of a ``Module._call_impl`` frame and the user's code that called it."""
+        module = frame.f_locals.get("self")
+        module_path, caller = None, frame.f_back
+        if isinstance(module, torch.nn.Module):
+            module_path = self._names.get(module)
+            if module_path is None:  # the first time: named from the running modules
+                module_path = self.current()
+            module_path = module_path or type(module).__name__
+        while caller is not None and caller.f_code.co_filename.startswith(_SKIPPED_DIRS):
+            caller = caller.f_back
+        location = None if caller is None else (caller.f_code.co_filename, caller.f_lineno)
+        self._last_call = (frame, module_path, location)
         return module_path, location
+
+    def release_frames(self) -> None:
+        """Forget the module call ``site`` read last (its frame keeps the call's locals alive)."""
+        self._last_call = (None, None, None)
 
     def name_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` (running or not), or its class name when unknown."""

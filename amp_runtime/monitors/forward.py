@@ -75,8 +75,8 @@ class TracedOp(NamedTuple):
     func: Any
     dtype: torch.dtype
     output: int
-    inputs: Tuple[int, ...]
-    input_dtypes: Tuple[str, ...]
+    inputs: List[int]
+    input_dtypes: List[torch.dtype]
     #: The largest magnitude among the op's float arguments (a ``-inf`` mask fill: inf).
     constant: float
     #: Whether the op had tensor arguments at all (a factory's output is what was asked for).
@@ -88,64 +88,125 @@ class TracedOp(NamedTuple):
 class OpTrace:
     """Per-op checks of a stretch of ops, kept on the device in op order and judged together.
 
-    For each checked op: the output's peak, its floating-point inputs' peaks and, as host values,
-    the op, its float constants and where it ran. An input that a checked op of the stretch
-    produced reuses that peak, as does a view of it (its values are a subset of the base's), while
-    neither has changed in place since (the version counter says so): most inputs cost nothing,
-    and parameters, batches and tensors of earlier steps get a peak of their own.
+    For each checked op: the output's peak, its floating-point inputs' magnitudes and, as host
+    values, the op, its float constants and where it ran. An input that a checked op of the
+    stretch produced reuses that peak, as does a view of it (its values are a subset of the
+    base's), while neither has changed in place since (the version counter says so). Parameters
+    are measured once per stretch, all together when it is handed over (``take``), by their L2
+    norms: one fused kernel, an upper bound of max |x| that keeps NaN and Inf. Other inputs
+    (batches, buffers, copies, tensors of earlier steps) get a peak of their own. Peaks are kept
+    in one list per dtype and device, each stacked into one tensor when handed over.
+
+    Indices: the i-th peak of the stretch is ``i``; parameter ``j`` is ``~j`` (negative), which
+    the position list ``take`` returns (peaks, then parameters in reverse) resolves by Python's
+    indexing from the end.
     """
 
     def __init__(self, tracker):
         self._tracker = tracker
-        self.peaks: List[torch.Tensor] = []
         self.ops: List[TracedOp] = []
-        #: id(tensor) -> (weak reference, version, peak index) of the tensors peaked so far.
+        self.parameters: List[torch.Tensor] = []
+        #: Peaks by (dtype, device index); ``_slots[i]`` is where the i-th peak is kept.
+        self._groups: Dict[Tuple[torch.dtype, int], List[torch.Tensor]] = {}
+        self._slots: List[Tuple[List[torch.Tensor], int]] = []
+        #: id(tensor) -> (weak reference, version, index) of the tensors measured so far.
         self._known: Dict[int, Tuple[weakref.ref, int, int]] = {}
 
     def record(self, func, args, kwargs, out: torch.Tensor) -> None:
+        # runs for every checked op: the known-input case is inlined
+        known = self._known
         constant, has_tensors = 0.0, False
         inputs, dtypes = [], []
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, float):
-                constant = max(constant, abs(value)) if abs(value) < math.inf else math.inf
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(value, torch.Tensor):
+                tensors = (value,)
+            elif isinstance(value, (list, tuple)):
+                tensors = [item for item in value if isinstance(item, torch.Tensor)]
+            else:
+                if isinstance(value, float):
+                    constant = max(constant, abs(value)) if abs(value) < math.inf else math.inf
                 continue
-            for tensor in tensors_in(value):
-                has_tensors = True
-                if tensor is not out and tensor.is_floating_point() and readable(tensor):
-                    inputs.append(self._peak_index(tensor))
-                    dtypes.append(dtype_name(tensor.dtype))
-        index = len(self.peaks)
-        self.peaks.append(peak(out))
+            has_tensors = True
+            for tensor in tensors:
+                if tensor is out or not tensor.dtype.is_floating_point:
+                    continue
+                entry = known.get(id(tensor))
+                if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+                    index = entry[2]
+                else:
+                    index = self._measure(tensor)
+                    if index is None:
+                        continue
+                inputs.append(index)
+                dtypes.append(tensor.dtype)
+        index = self._add(peak(out))
         self._remember(out, index)
         module, location = self._tracker.site()
-        self.ops.append(TracedOp(func, out.dtype, index, tuple(inputs), tuple(dtypes), constant,
-                                 has_tensors, module, location))
+        self.ops.append(TracedOp(func, out.dtype, index, inputs, dtypes, constant, has_tensors,
+                                 module, location))
 
-    def take(self) -> Tuple[List[torch.Tensor], List[TracedOp]]:
-        """The peaks and ops recorded so far; the trace starts afresh."""
-        taken = self.peaks, self.ops
-        self.peaks, self.ops, self._known = [], [], {}
-        return taken
+    def take(self) -> Tuple[List[torch.Tensor], List[int], List[TracedOp]]:
+        """What the stretch recorded, and a fresh start: the peaks (the parameters' norms last)
+        as one stacked tensor per dtype and device, where each index's value lands among the
+        values read from them, and the ops."""
+        first_norm = len(self._slots)
+        if self.parameters:
+            for norm in torch._foreach_norm(self.parameters, 2):
+                self._add(norm)
+        stacked, starts, size = [], {}, 0
+        for group in self._groups.values():
+            starts[id(group)] = size
+            size += len(group)
+            stacked.append(torch.stack(group))
+        positions = [starts[id(group)] + position for group, position in self._slots]
+        positions[first_norm:] = reversed(positions[first_norm:])  # parameter j at ~j
+        ops = self.ops
+        self.ops, self.parameters, self._groups, self._slots, self._known = [], [], {}, [], {}
+        self._tracker.release_frames()
+        return stacked, positions, ops
 
-    def _peak_index(self, tensor: torch.Tensor) -> int:
-        index = self._known_index(tensor)
-        if index is None and tensor._base is not None:
-            index = self._known_index(tensor._base)
+    def _add(self, value: torch.Tensor) -> int:
+        """Keep a 0-dim peak; its index in the stretch."""
+        key = (value.dtype, value.get_device())
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = []
+        self._slots.append((group, len(group)))
+        group.append(value)
+        return len(self._slots) - 1
+
+    def _measure(self, tensor: torch.Tensor) -> Optional[int]:
+        """The index of an input not measured yet (None for one with no values to measure)."""
+        base = tensor._base
+        index = None if base is None else self._known_index(base)
         if index is None:
-            index = len(self.peaks)
-            self.peaks.append(peak(tensor))
-            self._remember(tensor, index)
+            if isinstance(tensor, torch.nn.Parameter):
+                index = ~len(self.parameters)
+                self.parameters.append(tensor)
+            elif readable(tensor):
+                index = self._add(peak(tensor))
+            else:
+                return None
+        self._remember(tensor, index)
         return index
 
     def _known_index(self, tensor: torch.Tensor) -> Optional[int]:
         known = self._known.get(id(tensor))
-        if known is None or known[0]() is not tensor or tensor.is_inference():
+        if known is None or known[0]() is not tensor or known[1] != tensor._version:
             return None
-        return known[2] if known[1] == tensor._version else None
+        return known[2]
 
     def _remember(self, tensor: torch.Tensor, index: int) -> None:
-        if not tensor.is_inference():  # inference tensors have no version counter
-            self._known[id(tensor)] = (weakref.ref(tensor), tensor._version, index)
+        """Let later inputs reuse ``tensor``'s measure, and its base's when it covers all of
+        it (an op's output is often a reshaped view of the buffer it was computed in)."""
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor has no version counter: not reused
+            return
+        self._known[id(tensor)] = (weakref.ref(tensor), version, index)
+        base = tensor._base
+        if base is not None and base.numel() == tensor.numel():
+            self._known[id(base)] = (weakref.ref(base), version, index)
 
 
 class ForwardMonitor(Monitor):
@@ -202,35 +263,32 @@ class ForwardMonitor(Monitor):
             self.readings.poll()
 
     def _submit_trace(self) -> None:
-        """Hand the ops traced so far to the readings, as one stacked tensor of peaks."""
+        """Hand the ops traced so far to the readings: their peaks, a few stacked tensors."""
         if not self.trace.ops:
             return
-        peaks, ops = self.trace.take()
         with torch._C.DisableTorchFunction():
-            try:
-                peaks = [torch.stack(peaks)]
-            except RuntimeError:  # peaks on several devices: the readings group them
-                pass
-        self.readings.submit(peaks, functools.partial(self._judge_trace, ops))
+            stacked, positions, ops = self.trace.take()
+        self.readings.submit(stacked, functools.partial(self._judge_trace, ops, positions))
 
-    def _judge_trace(self, ops: List[TracedOp], peaks: List[float], step: int) -> None:
+    def _judge_trace(self, ops: List[TracedOp], positions: List[int], values: List[float],
+                     step: int) -> None:
         """The ops in order: the first whose output is non-finite while its inputs (and float
         arguments) were finite is a first cause, AMP101; later ones propagate it. An fp16
         output above the near-overflow limit from inputs below it is AMP102."""
         limit = self.limits.near_overflow
         nonfinite = False
         for op in ops:
-            out_max = peaks[op.output]
+            out_max = values[positions[op.output]]
             if out_max <= limit:  # almost every op (False for NaN)
                 continue
             finite = math.isfinite(out_max)
             nonfinite = nonfinite or not finite
             bound = limit if finite else math.inf
-            maxima = [peaks[i] for i in op.inputs]
+            maxima = [values[positions[i]] for i in op.inputs]
             if not op.has_tensors or not op.constant < bound or not all(m < bound for m in maxima):
                 continue  # asked for (a factory, a constant) or caused before
             details = {"dtype": dtype_name(op.dtype), "output_max": out_max,
-                       "input_dtypes": list(op.input_dtypes),
+                       "input_dtypes": [dtype_name(dtype) for dtype in op.input_dtypes],
                        "input_max": max(maxima, default=None)}
             where = dict(module=op.module, source=format_location(op.location), step=step)
             if not finite:
