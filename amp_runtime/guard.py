@@ -293,13 +293,11 @@ class Guard:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
+            self.flush()
+        except GuardError:
             if exc_type is None:
-                self.flush()
-            else:  # record what is still in flight, but let the exception that ends the block go on
-                try:
-                    self.flush()
-                except GuardError:
-                    pass
+                raise
+            # what was in flight is recorded; the exception that ends the block goes on
         finally:
             self._uninstall()
 
@@ -435,7 +433,7 @@ class Guard:
     def _judge_before_step(self, optimizer, args, kwargs) -> None:
         """Start the copy of what this step applies, and judge what has arrived: on the CPU all
         of it, before the optimizer changes the weights (GuardError stops it under "raise")."""
-        if self._mode is not None and not self.suspended and threading.get_ident() == self._thread:
+        if self._active and not self.suspended and threading.get_ident() == self._thread:
             self.readings.commit()
             self.readings.poll()
 

@@ -10,11 +10,12 @@ Schema (one line per step, in step order)::
      "layers": {"<parameter name>": {"max": float, "norm": float, "zero_fraction": float,
                                      "underflow_fraction": float | null}}}
 
-``layers`` (unscaled per-parameter max |g|, L2 norm, fraction of exact zeros, fraction of the
-nonzero values that flush to zero or are subnormal in fp16 at the loss scale) is present on steps
-where per-layer statistics were collected: every ``Thresholds.metrics_every`` steps that were not
-skipped. A step's line is written once its device values are read (``readings.py``): at the step
-end on the CPU, usually a step later on a GPU, and at the latest when the guard exits.
+``layers`` (unscaled per-parameter max |g|, L2 norm, fraction of exact zeros, and the estimated
+fraction of the nonzero values that flush to zero in fp16 at the loss scale, AMP106's measure) is
+present on steps where per-layer statistics were collected: every ``Thresholds.metrics_every``
+steps that were not skipped. A step's line is written once its device values are read
+(``readings.py``): at the step end on the CPU, usually a step later on a GPU, and at the latest
+when the guard exits.
 """
 from __future__ import annotations
 

@@ -106,8 +106,12 @@ class Readings:
                     sizes.append(0)
                 flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
                 parts[slot].append(flat)
-                spans.append((slot, sizes[slot], flat.numel()))
-                sizes[slot] += flat.numel()
+                size = flat.numel()
+                if spans and spans[-1][0] == slot:  # follows the previous one: one span
+                    spans[-1] = (slot, spans[-1][1], spans[-1][2] + size)
+                else:
+                    spans.append((slot, sizes[slot], size))
+                sizes[slot] += size
             entries.append((judge, step, spans))
         with torch._C.DisableTorchFunction():
             copies = [self._start_copy(torch.cat(part)) for part in parts]
@@ -161,7 +165,10 @@ class Readings:
 
     def _complete(self, batch: _Batch) -> bool:
         """Whether every copy of ``batch`` has arrived (a non-blocking query)."""
-        return all(done is None or done.query() for _, done in batch.copies)
+        for _, done in batch.copies:
+            if done is not None and not done.query():
+                return False
+        return True
 
     def _wait(self, batch: _Batch) -> None:
         """Block until ``batch``'s copies have arrived: the one place the host waits."""
@@ -177,7 +184,12 @@ class Readings:
         values = [host.tolist() for host, _ in batch.copies]
         error = None
         for judge, step, spans in batch.entries:
-            read = [v for slot, start, length in spans for v in values[slot][start:start + length]]
+            if len(spans) == 1:  # the usual case: all on one device
+                slot, start, length = spans[0]
+                read = values[slot][start:start + length]
+            else:
+                read = [v for slot, start, length in spans
+                        for v in values[slot][start:start + length]]
             try:
                 judge(read, step)
             except Exception as err:  # the first one is raised once the batch is done

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -111,6 +111,8 @@ class OpTrace:
         self._slots: List[Tuple[List[torch.Tensor], int]] = []
         #: id(tensor) -> (weak reference, version, index) of the tensors measured so far.
         self._known: Dict[int, Tuple[weakref.ref, int, int]] = {}
+        #: id(parameter) -> its index (``~j`` for ``parameters[j]``).
+        self._parameter_index: Dict[int, int] = {}
 
     def record(self, func, args, kwargs, out: torch.Tensor) -> None:
         # runs for every checked op: the known-input case is inlined
@@ -146,22 +148,25 @@ class OpTrace:
                                  module, location))
 
     def take(self) -> Tuple[List[torch.Tensor], List[int], List[TracedOp]]:
-        """What the stretch recorded, and a fresh start: the peaks (the parameters' norms last)
-        as one stacked tensor per dtype and device, where each index's value lands among the
-        values read from them, and the ops."""
-        first_norm = len(self._slots)
-        if self.parameters:
-            for norm in torch._foreach_norm(self.parameters, 2):
-                self._add(norm)
+        """What the stretch recorded, and a fresh start: the peaks as one float32 tensor per
+        device (the parameters' norms last), where each index's value lands among the values
+        read from them, and the ops."""
         stacked, starts, size = [], {}, 0
         for group in self._groups.values():
             starts[id(group)] = size
             size += len(group)
-            stacked.append(torch.stack(group))
+            stacked.append(torch.stack(group).float())
         positions = [starts[id(group)] + position for group, position in self._slots]
-        positions[first_norm:] = reversed(positions[first_norm:])  # parameter j at ~j
+        if self.parameters:
+            norms = torch._foreach_norm(self.parameters, 2)
+            try:
+                stacked.append(torch.stack(norms).float())
+            except RuntimeError:  # parameters on several devices: the readings group them
+                stacked += [norm.float() for norm in norms]
+            positions += range(size + len(norms) - 1, size - 1, -1)  # parameter j at ~j
         ops = self.ops
         self.ops, self.parameters, self._groups, self._slots, self._known = [], [], {}, [], {}
+        self._parameter_index = {}
         self._tracker.release_frames()
         return stacked, positions, ops
 
@@ -176,17 +181,19 @@ class OpTrace:
         return len(self._slots) - 1
 
     def _measure(self, tensor: torch.Tensor) -> Optional[int]:
-        """The index of an input not measured yet (None for one with no values to measure)."""
+        """The index of an input no traced op produced (None for one without values)."""
+        if isinstance(tensor, torch.nn.Parameter):  # held until ``take``: its id is its key
+            index = self._parameter_index.get(id(tensor))
+            if index is None:
+                index = self._parameter_index[id(tensor)] = ~len(self.parameters)
+                self.parameters.append(tensor)
+            return index
         base = tensor._base
         index = None if base is None else self._known_index(base)
         if index is None:
-            if isinstance(tensor, torch.nn.Parameter):
-                index = ~len(self.parameters)
-                self.parameters.append(tensor)
-            elif readable(tensor):
-                index = self._add(peak(tensor))
-            else:
+            if not readable(tensor):
                 return None
+            index = self._add(peak(tensor))
         self._remember(tensor, index)
         return index
 
@@ -207,6 +214,38 @@ class OpTrace:
         base = tensor._base
         if base is not None and base.numel() == tensor.numel():
             self._known[id(base)] = (weakref.ref(base), version, index)
+
+
+def judge_trace(ops: Sequence[TracedOp], positions: Sequence[int], values: Sequence[float],
+                near_overflow: float) -> Tuple[List[Tuple[str, dict]], bool]:
+    """A traced stretch's findings as ``(code, emit keyword arguments)``, and whether any output
+    was non-finite. ``values`` were read from ``OpTrace.take()``'s tensors, ``positions`` place
+    each index among them. The ops in order: one whose output is non-finite while its inputs
+    (and float arguments) were finite is a first cause, AMP101; later ones propagate it. An fp16
+    output above ``near_overflow`` from inputs below it is AMP102."""
+    findings: List[Tuple[str, dict]] = []
+    nonfinite = False
+    for op in ops:
+        out_max = values[positions[op.output]]
+        if out_max <= near_overflow:  # almost every op (False for NaN)
+            continue
+        finite = math.isfinite(out_max)
+        nonfinite = nonfinite or not finite
+        bound = near_overflow if finite else math.inf
+        maxima = [values[positions[i]] for i in op.inputs]
+        if not op.has_tensors or not op.constant < bound or not all(m < bound for m in maxima):
+            continue  # asked for (a factory, a constant) or caused before
+        if finite and op.dtype != torch.float16:
+            continue  # a bf16/fp32 value this large is far from overflow
+        kwargs = dict(op=op.func, module=op.module, source=format_location(op.location), details={
+            "dtype": dtype_name(op.dtype), "output_max": out_max,
+            "input_dtypes": [dtype_name(dtype) for dtype in op.input_dtypes],
+            "input_max": max(maxima, default=None)})
+        if finite:
+            findings.append(("AMP102", dict(kwargs, value=out_max)))
+        else:
+            findings.append(("AMP101", dict(kwargs, kind=nonfinite_kind(out_max))))
+    return findings, nonfinite
 
 
 class ForwardMonitor(Monitor):
@@ -272,30 +311,9 @@ class ForwardMonitor(Monitor):
 
     def _judge_trace(self, ops: List[TracedOp], positions: List[int], values: List[float],
                      step: int) -> None:
-        """The ops in order: the first whose output is non-finite while its inputs (and float
-        arguments) were finite is a first cause, AMP101; later ones propagate it. An fp16
-        output above the near-overflow limit from inputs below it is AMP102."""
-        limit = self.limits.near_overflow
-        nonfinite = False
-        for op in ops:
-            out_max = values[positions[op.output]]
-            if out_max <= limit:  # almost every op (False for NaN)
-                continue
-            finite = math.isfinite(out_max)
-            nonfinite = nonfinite or not finite
-            bound = limit if finite else math.inf
-            maxima = [values[positions[i]] for i in op.inputs]
-            if not op.has_tensors or not op.constant < bound or not all(m < bound for m in maxima):
-                continue  # asked for (a factory, a constant) or caused before
-            details = {"dtype": dtype_name(op.dtype), "output_max": out_max,
-                       "input_dtypes": [dtype_name(dtype) for dtype in op.input_dtypes],
-                       "input_max": max(maxima, default=None)}
-            where = dict(module=op.module, source=format_location(op.location), step=step)
-            if not finite:
-                self.guard.emit("AMP101", op=op.func, kind=nonfinite_kind(out_max),
-                                details=details, **where)
-            elif op.dtype == torch.float16:  # a bf16 value this large is far from overflow
-                self.guard.emit("AMP102", op=op.func, value=out_max, details=details, **where)
+        findings, nonfinite = judge_trace(ops, positions, values, self.limits.near_overflow)
+        for code, kwargs in findings:
+            self.guard.emit(code, step=step, **kwargs)
         if nonfinite:
             self.guard.request_tracing("AMP101")
 
