@@ -304,6 +304,13 @@ def measure(trainer: Trainer, repetitions: int, steps: int) -> Dict[str, Result]
     }
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _cell(value: Optional[float], digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -315,7 +322,7 @@ def main(argv=None) -> None:
                         help=f"where to train (default: {default_device})")
     parser.add_argument("--shapes", nargs="+", help="shapes to run (default: all of the device's)")
     parser.add_argument("--quick", action="store_true", help="a third of the repetitions")
-    parser.add_argument("--repetitions", type=int, help="repetitions per shape (overrides)")
+    parser.add_argument("--repetitions", type=_positive, help="repetitions per shape (overrides)")
     options = parser.parse_args(argv)
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available (use --device cpu)")
