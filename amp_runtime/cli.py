@@ -29,7 +29,7 @@ import types
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .events import GuardError
+from .events import PACKAGE_DIR, GuardError
 from .html_report import REPORT_FILE, ReportError, build_report
 from .ranks import LOG_FOLDER, launcher_rank, rank_log_dir
 
@@ -337,11 +337,14 @@ def _exit_status(code) -> int:
 
 def _print_user_traceback(err: BaseException) -> None:
     """The traceback as the user's own: without this runner's frames before the user's
-    code and, for a GuardError, without the guard's frames after the user's line."""
+    code and, for a GuardError, without the guard's frames after the user's line (none at all
+    for one judged at the guard's exit, after the script: its message names the line)."""
     tb = err.__traceback__
-    while tb is not None and _is_runner_frame(tb.tb_frame.f_code.co_filename):
+    guard_error = isinstance(err, GuardError)
+    while tb is not None and (_is_runner_frame(tb.tb_frame.f_code.co_filename) or guard_error
+                              and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR)):
         tb = tb.tb_next
-    if isinstance(err, GuardError):
+    if guard_error:
         err.end_at_users_line()
     traceback.print_exception(type(err), err, tb, file=sys.stderr)  # tb None: a SyntaxError
 

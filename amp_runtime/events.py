@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -101,16 +102,22 @@ class GuardError(RuntimeError):
         self.event = event
 
     def end_at_users_line(self) -> None:
-        """Cut the traceback after the user's frames: the guard's own frames that raised it
-        only push the user's line (the one the event names) off the screen. Leading frames
-        of amp_runtime (``python -m amp_runtime run`` running the script) stay."""
+        """Cut the traceback after the user's last frame before the guard's: the guard's own
+        frames that raised it, and torch's between them (``optimizer.step`` running the guard's
+        hook), only push the user's line off the screen. Leading frames of amp_runtime
+        (``python -m amp_runtime run`` running the script) stay."""
+        torch = sys.modules.get("torch")
+        torch_dir = os.path.dirname(torch.__file__) + os.sep if torch is not None else PACKAGE_DIR
         tb = self.__traceback__
         while tb is not None and _in_package(tb):
             tb = tb.tb_next
-        while tb is not None and tb.tb_next is not None and not _in_package(tb.tb_next):
+        users = None
+        while tb is not None and not _in_package(tb):
+            if not tb.tb_frame.f_code.co_filename.startswith(torch_dir):
+                users = tb
             tb = tb.tb_next
-        if tb is not None:
-            tb.tb_next = None
+        if users is not None:
+            users.tb_next = None
 
 
 def _in_package(tb) -> bool:

@@ -14,6 +14,12 @@ the step-level checks (loss at backward, gradients, loss scale, step detection) 
 every step through the entry points (``entry_points.py``), the optimizer hooks and the
 GradScaler methods (``monitors/scaler.py``).
 
+Readings: device values (the loss, gradient statistics, the loss scale, per-op peaks) reach the
+host through the guard's ``readings`` (``readings.py``): copied without a host sync at the optimizer
+step pre-hook and at the step end, judged once the copy is known complete (on the CPU at once,
+before the optimizer applies the step; on a GPU usually a step later), and flushed at exit. A
+judge that finds a failing step has it replayed right then (``request_replay``, ``replay.py``).
+
 Threads: the mode is per thread, so only ops of the thread that entered the guard are
 checked; the global optimizer hooks ignore calls from other threads. Inside
 ``optimizer.step()`` the mode is off: the optimizer's many small ops are not forward
@@ -43,8 +49,9 @@ from .entry_points import observe_entry_points, stop_observing_entry_points
 from .events import Event, GuardError, Report
 from .mode import GuardMode
 from .monitors import Monitor
+from .readings import Readings
 from .thresholds import Thresholds
-from .tracking import ModuleTracker, call_site, op_name
+from .tracking import Location, ModuleTracker, format_location, op_name, user_location
 
 POLICIES = ("warn", "raise", "record")
 TRACE_MODES = ("off", "auto", "always")
@@ -146,14 +153,18 @@ class Guard:
         self.report = Report()
         #: Steps completed so far, i.e. the 0-based index of the current step.
         self.step_index = 0
-        #: Called as ``listener(step, record)`` at each step end, after the monitors.
+        #: The record of the step in progress, filled by the monitors (and their readings' judges).
+        self.step_record: Dict[str, Any] = {"step": 0}
+        #: Called as ``listener(step, record)`` once a step's record is complete: when its
+        #: readings are judged (on the CPU at the step end; on a GPU usually a step later).
         self.step_listeners: List[StepListener] = []
+        #: Deferred device readings: the one path from device values to host numbers.
+        self.readings = Readings()
         #: True while a guard nested inside this one (same thread) does the checking.
         self.suspended = False
         #: Set by the first ``step()`` call: the loop marks its steps by hand.
         self.manual_steps = False
         self.monitors: List[Monitor] = []
-        self._flushes: List[Callable[[], None]] = []
         self._step_ends: List[Callable[[int, Dict[str, Any]], None]] = []
         self.tracker = ModuleTracker(model)
         self._enabled_cache: Dict[str, bool] = {}
@@ -210,17 +221,24 @@ class Guard:
                 self._mode.set_tracing(True)
             self._sync_mode()
 
-    def request_replay(self, code: str, step: Optional[int] = None) -> None:
-        """A step-level check saw ``code`` (AMP112, AMP103, or ``replay.SKIPPED``) in ``step``
-        (default: this one): re-run that step's forward with per-op checks before the optimizer
-        applies it, once per anomaly episode (``replay.py``)."""
-        if self.replayer is not None:
-            self.replayer.request(code, self.step_index if step is None else step)
+    def request_replay(self, code: str, step: int):
+        """A judge found ``code`` (AMP112, AMP103, or ``scaler.SKIPPED``) in ``step``: re-run that
+        step's forward with per-op checks now, if it still can be (``replay.py``), once per
+        anomaly episode. The ``replay.Outcome`` for the judge's event (it says why a replay was
+        skipped), or None when there is none (an episode is open, or no replay is attached)."""
+        return None if self.replayer is None else self.replayer.request(code, step)
 
     def step(self) -> None:
         """End the current training step by hand (for loops without optimizer or scaler)."""
         self.manual_steps = True
         self._end_step()
+
+    def flush(self) -> None:
+        """Judge every device reading not judged yet, waiting for the device (once) where its
+        copy has not arrived. Called at exit; the pytest plugin calls it before judging a test."""
+        if self._active:
+            with self.unobserved():
+                self.readings.flush()
 
     def emit(
         self,
@@ -230,29 +248,38 @@ class Guard:
         op: Any = None,
         module: Optional[str] = None,
         source: Optional[str] = None,
+        location: Optional[Location] = None,
         details: Optional[Dict[str, Any]] = None,
+        step: Optional[int] = None,
         **message_fields: Any,
     ) -> Optional[Event]:
         """Record a finding and apply the policy; None when the code is deselected.
 
         ``op`` may be a torch function or a name. ``source`` and ``module`` default to the
-        user's line and the running module (a framework's line that called torch for the user
-        goes to ``details["library_source"]``). Under ``policy="raise"`` an event at or above
-        ``raise_at`` raises GuardError here, i.e. inside the op that caused it.
+        user's line and the running module; a framework's line that called torch for the user
+        goes to ``details["library_source"]``. A judge of deferred readings passes ``step``, the
+        step its values were taken in, and the ``location`` and ``module`` taken with them (the
+        code running now is another step's). Under ``policy="raise"`` an event at or above
+        ``raise_at`` raises GuardError here: inside the op or hook that judged it.
         """
         if self.suspended or not self.enabled(code):
             return None
         op = op if op is None or isinstance(op, str) else op_name(op)
-        if source is None:
-            source, library_source = call_site()
+        if step is None:
+            step = self.step_index
+            module = module if module is not None else self.tracker.current()
+            if source is None and location is None:
+                location = user_location()
+        if source is None and location is not None:
+            source, library_source = format_location(location)
             if library_source is not None:  # a framework's line (Lightning, transformers)
                 details = {**(details or {}), "library_source": library_source}
         event = Event.create(
             code,
             severity=severity,
             op=op,
-            module=module if module is not None else self.tracker.current(),
-            step=self.step_index,
+            module=module,
+            step=step,
             source=source,
             rank=_rank(),
             details=details or {},
@@ -286,9 +313,11 @@ class Guard:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
+            self.flush()
+        except GuardError:
             if exc_type is None:
-                for flush in self._flushes:
-                    flush()
+                raise
+            # what was in flight is recorded; the exception that ends the block goes on
         finally:
             self._uninstall()
 
@@ -305,8 +334,9 @@ class Guard:
         for monitor in self._build_monitors():
             self.monitors.append(monitor)
             monitor.attach(self)
+        # after the monitors' pre-hooks, which take the samples the optimizer is about to apply
+        self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._judge_before_step))
         # the step end calls only the monitors that do something there
-        self._flushes = _overridden(self.monitors, "flush")
         self._step_ends = _overridden(self.monitors, "on_step_end")
         self._mode = GuardMode(
             (m.op_handlers() for m in self.monitors),
@@ -345,7 +375,8 @@ class Guard:
                 monitor.detach()
             except Exception as err:  # keep removing the others' hooks
                 errors.append(err)
-        self.monitors, self._flushes, self._step_ends = [], [], []
+        self.monitors, self._step_ends = [], []
+        self.readings.clear()
         if self._events_file is not None:
             self._events_file.close()
             self._events_file = None
@@ -423,6 +454,13 @@ class Guard:
         optimizer.zero_grad = unobserved_zero_grad
         self._unobserved_optimizers.append((weakref.ref(optimizer), unobserved_zero_grad))
 
+    def _judge_before_step(self, optimizer, args, kwargs) -> None:
+        """Start the copy of what this step applies, and judge what has arrived: on the CPU all
+        of it, before the optimizer changes the weights (GuardError stops it under "raise")."""
+        if self._active and not self.suspended and threading.get_ident() == self._thread:
+            self.readings.commit()
+            self.readings.poll()
+
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
         if self._in_optimizer and threading.get_ident() == self._thread:
             self._in_optimizer = False
@@ -438,15 +476,16 @@ class Guard:
             self._finish_step()
 
     def _finish_step(self) -> None:
-        step = self.step_index
-        for flush in self._flushes:
-            flush()
-        record: Dict[str, Any] = {"step": step}
+        step, record = self.step_index, self.step_record
         for on_step_end in self._step_ends:
             on_step_end(step, record)
-        for listener in self.step_listeners:
-            listener(step, record)
-        self.step_index = step + 1
+        readings = self.readings
+        readings.commit()
+        readings.after(functools.partial(self._step_judged, step, record))
+        self.tracker.release_frames()  # the step's module calls are over: their inputs may go
+        self.step_index = readings.step = step + 1
+        self.step_record = {"step": step + 1}
+        readings.poll()
         self._quiet_steps += 1
         quiet = self._quiet_steps >= self.thresholds.auto_quiet_steps
         if self.trace == "auto" and self._tracing and quiet:
@@ -458,6 +497,10 @@ class Guard:
         self._watching = (self._tracing or self.step_index < limits.watch_steps
                           or self.step_index % limits.watch_every == 0)
         self._sync_mode()
+
+    def _step_judged(self, step: int, record: Dict[str, Any]) -> None:
+        for listener in self.step_listeners:
+            listener(step, record)
 
     def _recorders(self) -> List["Guard"]:
         """This guard and the guards it is nested in, which record its events too."""

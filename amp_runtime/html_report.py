@@ -444,7 +444,7 @@ def _draw_underflow(run, axes, figure) -> str:
         axes.plot(steps, [math.nan if v is None else v for v in row], lw=1.1,
                   label=_short_name(name))
     axes.set_ylim(0, max(0.02, max(peaks.values()) * 1.1))  # a fraction: never below zero
-    axes.set_ylabel("zero or flushed in fp16")
+    axes.set_ylabel("nonzero, flushed or subnormal in fp16")
     _legend(axes)
     return ""
 

@@ -10,12 +10,16 @@ Schema (one line per step, in step order)::
      "layers": {"<parameter name>": {"max": float, "norm": float, "zero_fraction": float,
                                      "underflow_fraction": float | null}}}
 
-``layers`` (unscaled per-parameter max |g|, L2 norm, fraction of exact zeros, fraction of
-values that are zero or flush to zero in fp16 at the loss scale) is present on steps where per-layer
-statistics were collected: every ``Thresholds.metrics_every`` steps that were not skipped.
+``layers`` (unscaled per-parameter max |g|, L2 norm, fraction of exact zeros, and the estimated
+fraction of the nonzero values that flush to zero in fp16 at the loss scale, AMP106's measure) is
+present on steps where per-layer statistics were collected: every ``Thresholds.metrics_every``
+steps that were not skipped. A step's line is written once its device values are read
+(``readings.py``): at the step end on the CPU, usually a step later on a GPU, and at the latest
+when the guard exits.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -29,6 +33,10 @@ from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, backward_root, scale
 FILENAME = "metrics.jsonl"
 #: The per-step values every line carries (``layers`` comes on top when collected).
 SCALARS = ("step", "loss", "loss_scale", "skipped", "grad_norm")
+
+
+def _mean_loss(record: Dict[str, Any], losses: List[float], step: int) -> None:
+    record["loss"] = sum(losses) / len(losses)
 
 
 def _finite_or_none(value):
@@ -71,8 +79,7 @@ class MetricsLog(Monitor):
         losses, self._losses = self._losses, []
         record["loss"] = None
         if losses:
-            with torch._C.DisableTorchFunction():
-                record["loss"] = torch.stack([v.reshape(()).cpu() for v in losses]).mean().item()
+            self.guard.readings.submit(losses, functools.partial(_mean_loss, record))
 
     def write(self, step: int, record: Dict[str, Any]) -> None:
         if self._file is None:

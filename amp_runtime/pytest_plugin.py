@@ -16,11 +16,18 @@ suites that do not use it, and never breaks a run where torch is not installed.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Sequence, Tuple
 
+import _pytest
+import pluggy
 import pytest
 
-from amp_runtime.events import GuardError, Report
+from amp_runtime.events import PACKAGE_DIR, GuardError, Report
+
+#: Frames of pytest, pluggy and amp_runtime (this plugin's call wrapper) above a test's own.
+_RUNNER_DIRS = tuple(os.path.dirname(module.__file__) + os.sep
+                     for module in (_pytest, pluggy)) + (PACKAGE_DIR,)
 
 FIXTURE = "amp_guard"
 _GUARD_KEY = pytest.StashKey[object]()
@@ -114,6 +121,31 @@ def amp_guard(request: pytest.FixtureRequest):
         yield guard
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Judge the guard's device readings still in flight as the test body ends, before its
+    report (which judges the events) is made; the guard itself exits at fixture teardown."""
+    guard = item.stash.get(_GUARD_KEY, None)
+    try:
+        result = yield
+    except BaseException:
+        if guard is not None:
+            try:
+                guard.flush()  # the events go into the report next to the test's own failure
+            except GuardError:
+                pass
+        raise
+    error = None
+    if guard is not None:
+        try:
+            guard.flush()
+        except GuardError as err:  # policy="raise", judged after the test's code returned
+            error = err
+    if error is not None:  # the event names the test's line; the guard's frames would not
+        pytest.fail(f"GuardError: {error}", pytrace=False)
+    return result
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
@@ -143,7 +175,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def _end_at_the_users_line(item: pytest.Item, excinfo: pytest.ExceptionInfo,
                            report: pytest.TestReport) -> None:
     """A GuardError (policy="raise") shows the test's line that raised it, not the
-    guard's own frames below it."""
-    excinfo.value.end_at_users_line()
+    guard's own frames below it (nor the runner's above it, this plugin's wrapper among them)."""
+    error = excinfo.value
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_RUNNER_DIRS):
+        tb = tb.tb_next
+    error.__traceback__ = tb
+    error.end_at_users_line()
     excinfo.traceback = excinfo.traceback.__class__(excinfo.value.__traceback__)
     report.longrepr = item.repr_failure(excinfo)

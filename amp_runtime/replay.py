@@ -9,18 +9,24 @@ every weight), goes unexplained. Instead, the step is re-run:
   its compiled or DDP wrapper, a loss module) are learned in the first steps by a global module
   hook, then followed by a forward pre-hook on each. Each grad-enabled call keeps, by reference,
   its inputs, the RNG state (CPU, and the current CUDA device's), the autocast state and the
-  tensor versions of its inputs; nothing is copied. The calls of a step are dropped when the next
-  step ends (kept one step longer for readings judged a step late).
-* Request. A step-level check that sees a problem calls ``guard.request_replay(code)``: a
-  non-finite loss at backward (AMP112), non-finite gradients reaching an optimizer (AMP103), a
-  GradScaler skipping the step (``SKIPPED``).
-* Replay, before the optimizer applies the step (at its step pre-hook) or at the step end when
-  the scaler skipped it: the step's calls run again in order on the eager module (``_orig_mod`` of
-  a compiled model, ``.module`` of DDP) from the same inputs, parameters, RNG and autocast state,
-  with the guard's per-op checks on, so AMP101 names op, module and source line for that step.
-  When the gradients are non-finite but the forward is finite, the replay also runs a backward
-  with a hook on every autograd node (see ``_Localizer``), and AMP103 names the layer whose
-  backward first turned finite gradients non-finite.
+  tensor versions of its inputs; nothing is copied. A step's calls are kept until every reading
+  of that step has been judged (the guard's step listeners): on the CPU until the step ends, on
+  a GPU as long as its readings are in flight, usually a step longer.
+* Request. The judges of the step's readings (``readings.py``), which know the step, call
+  ``guard.request_replay(code, step)``: a non-finite loss at backward (AMP112), non-finite
+  gradients reaching an optimizer (AMP103), a GradScaler skipping the step (``SKIPPED``).
+* Replay, at once, inside the judge, before it reports its finding. Only while that replays the
+  step: no optimizer step since its forward and its inputs unchanged. A problem judged at the
+  optimizer step pre-hook (always on the CPU; on a GPU once the copy has arrived) is replayed
+  before the optimizer applies the step; one judged later is replayed if the GradScaler skipped
+  its step (the parameters are unchanged), and otherwise skipped, its outcome saying why. The
+  step's calls run again in order on the eager module (``_orig_mod`` of a compiled model,
+  ``.module`` of DDP) from the same inputs, parameters, RNG and autocast state, traced by an
+  ``OpTrace`` of its own (``monitors/forward.py``) that is read at once, so AMP101 names op,
+  module and source line for that step. When the gradients are non-finite but the forward is
+  finite, the replay also runs a backward with a hook on every autograd node (see
+  ``_Localizer``), and AMP103 names the layer whose backward first turned finite gradients
+  non-finite.
 * Restore. RNG states, buffers (BatchNorm statistics) and training flags are put back; ``.grad``
   is never touched (the replayed backward uses ``torch.autograd.grad``). The user's run goes on
   bit-identical.
@@ -48,19 +54,17 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 import torch
 from torch.compiler import is_compiling
 from torch.nn.modules import module as module_globals
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .events import GuardError
 from .mode import GuardMode
 from .monitors import Monitor, readable, tensors_in
+from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
 from .monitors.grads import l2_norms, layer_of, listing
-from .tracking import op_name, user_source
+from .monitors.scaler import SKIPPED
+from .readings import Readings
+from .tracking import NOWHERE, Location, format_location, op_name
 
-#: The trigger of a replay requested because a GradScaler skipped the step (not a code).
-SKIPPED = "skipped"
 #: Root-module calls kept per step (gradient accumulation calls the model once per micro-step);
 #: beyond it the oldest are dropped.
 MAX_CALLS_PER_STEP = 64
@@ -234,19 +238,6 @@ def _detached(value):
     return value
 
 
-def _host_values(scalars: Sequence[torch.Tensor]) -> List[float]:
-    """0-dim tensors as floats: one transfer per device (the replay's one read)."""
-    values: List[Optional[float]] = [None] * len(scalars)
-    by_device: Dict[torch.device, List[int]] = {}
-    for index, scalar in enumerate(scalars):
-        by_device.setdefault(scalar.device, []).append(index)
-    for indices in by_device.values():
-        read = torch.stack([scalars[i].float() for i in indices]).tolist()
-        for index, value in zip(indices, read):
-            values[index] = value
-    return values
-
-
 def _finiteness_probe(grads) -> Optional[torch.Tensor]:
     """A float32 device scalar that is non-finite if and only if (short of a sum beyond 3e38)
     one of the gradients an autograd node produced holds NaN/Inf: the sum of all their
@@ -382,9 +373,8 @@ class _Localizer:
 
     def __init__(self, guard):
         self._guard = guard
-        #: autograd node -> (op, module path, source line) of the op that created it.
-        self.where: Dict[Any, Tuple[str, Optional[str], Optional[str]]] = {}
-        self._module_paths: Dict[int, Optional[str]] = {}
+        #: autograd node -> (op, module path, location) of the op that created it.
+        self.where: Dict[Any, Tuple[str, Optional[str], Location]] = {}
 
     def record(self, func, args, kwargs, out) -> None:
         """Trace handler: attribute the nodes between ``out`` and the op's inputs to the op."""
@@ -393,28 +383,15 @@ class _Localizer:
         if not new:
             return
         stops = {t.grad_fn for v in (*args, *kwargs.values()) for t in tensors_in(v)}
-        location = (op_name(func), self._module_path(), user_source())
+        created_by = (op_name(func), *self._guard.tracker.site())
         queue, count = deque(new), 0
         while queue and count < _NODES_PER_OP:
             node = queue.popleft()
             if node is None or node in stops or node in self.where or _is_leaf_node(node):
                 continue
-            self.where[node] = location
+            self.where[node] = created_by
             count += 1
             queue.extend(next_node for next_node, _ in node.next_functions)
-
-    def _module_path(self) -> Optional[str]:
-        """The running module's path (one full stack walk per module, cached)."""
-        frame = sys._getframe(2)
-        while frame is not None and frame.f_code is not _CALL_IMPL_CODE:
-            frame = frame.f_back
-        if frame is None:
-            return None
-        module = frame.f_locals.get("self")
-        key = id(module)
-        if key not in self._module_paths:
-            self._module_paths[key] = self._guard.tracker.current()
-        return self._module_paths[key]
 
     def backward(self, out, params: List[torch.nn.Parameter]) -> Tuple[Optional[Origin], Set[int]]:
         """Run the replayed backward from ``out``: the first non-finite node's origin, and the ids
@@ -423,12 +400,12 @@ class _Localizer:
         if not roots:
             return None, set()
         # (node, probe of the gradients it produced), in the order the backward ran them
-        readings: List[Tuple[Any, torch.Tensor]] = []
+        probed: List[Tuple[Any, torch.Tensor]] = []
 
         def seen(node, grad_inputs, grad_outputs):
             probe = _finiteness_probe(grad_inputs)
             if probe is not None:
-                readings.append((node, probe))
+                probed.append((node, probe))
 
         # every node of the replayed graph, also those no replayed op created (a custom
         # autograd Function's): the inputs were detached, so the walk stays in this graph
@@ -442,14 +419,14 @@ class _Localizer:
                 handle.remove()
         present = [(p, g) for p, g in zip(wanted, grads) if g is not None]
         norms = l2_norms([g for _, g in present]) if present else []
-        values = _host_values([probe for _, probe in readings] + norms)  # the one read
-        probes, norm_values = values[:len(readings)], values[len(readings):]
+        values = self._guard.readings.read_now([probe for _, probe in probed] + norms)
+        probes, norm_values = values[:len(probed)], values[len(probed):]
         nonfinite = {id(p) for (p, _), norm in zip(present, norm_values) if not math.isfinite(norm)}
-        for (node, _), value in zip(readings, probes):
+        for (node, _), value in zip(probed, probes):
             if not math.isfinite(value):
                 # a node no replayed op created (a custom Function's) is named by itself
-                op, module, source = self.where.get(node, (node.name(), None, None))
-                origin = Origin("backward", op, module, source,
+                op, module, location = self.where.get(node, (node.name(), None, NOWHERE))
+                origin = Origin("backward", op, module, format_location(location)[0],
                                 {"node": node.name(), "backward_from": start})
                 return origin, nonfinite
         return None, nonfinite
@@ -472,12 +449,12 @@ def _is_leaf_node(node) -> bool:
     return not node.next_functions and node.name().endswith("AccumulateGrad")
 
 
-def _nonfinite_grads(params: Sequence[torch.Tensor]) -> Set[int]:
+def _nonfinite_grads(params: Sequence[torch.Tensor], readings: Readings) -> Set[int]:
     """The ids of the parameters whose ``.grad`` holds NaN/Inf (one fused pass, one read)."""
     present = [p for p in params if p.grad is not None and readable(p.grad)]
     if not present:
         return set()
-    norms = _host_values(l2_norms([p.grad for p in present]))
+    norms = readings.read_now(l2_norms([p.grad for p in present]))
     return {id(p) for p, norm in zip(present, norms) if not math.isfinite(norm)}
 
 
@@ -599,19 +576,16 @@ class StepReplay(Monitor):
 
     def __init__(self):
         super().__init__()
-        self._calls: Deque[RootCall] = deque(maxlen=MAX_CALLS_PER_STEP)
-        #: The previous step's calls, for a request judged a step late: (step, calls).
-        self._previous: Optional[Tuple[int, List[RootCall]]] = None
+        #: The root-module calls of each step whose readings are not all judged yet.
+        self._calls: Dict[int, Deque[RootCall]] = {}
         self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._learning = _RootLearning(self._root_seen, self._follow_roots)
         self._learning_steps = 0
-        self._pending: Dict[int, Set[str]] = {}
-        self._replayed: Deque[int] = deque(maxlen=4)
         #: Requests up to these steps belong to an open episode (any trigger; SKIPPED only).
         self._episode_until = -1
         self._skip_episode_until = -1
         self._optimizer_steps = 0
-        #: The forward cause (an AMP101, found live or by a replay) of the last few steps.
+        #: The forward cause (an AMP101, found live or by a replay) of the steps not judged yet.
         self._forward_causes: Dict[int, Origin] = {}
         #: What each replay did, newest last (bounded).
         self.outcomes: Deque[Outcome] = deque(maxlen=32)
@@ -624,18 +598,20 @@ class StepReplay(Monitor):
     def attach(self, guard) -> None:
         super().attach(guard)
         guard.replayer = self
-        self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
+        guard.step_listeners.append(self._step_judged)
         self.keep(register_optimizer_step_post_hook(self._optimizer_step_ends))
         self._learning.start()
 
     def detach(self) -> None:
         self._learning.remove()
         super().detach()
-        if self.guard.replayer is self:
-            self.guard.replayer = None
+        guard = self.guard
+        if guard.replayer is self:
+            guard.replayer = None
+        if self._step_judged in guard.step_listeners:
+            guard.step_listeners.remove(self._step_judged)
         self._calls.clear()
-        self._previous = None
-        self._pending.clear()
+        self._forward_causes.clear()
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -660,63 +636,61 @@ class StepReplay(Monitor):
         if (self.replaying or guard.suspended or threading.get_ident() != guard._thread
                 or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()):
             return
-        self._calls.append(RootCall(
+        calls = self._calls.get(guard.step_index)
+        if calls is None:
+            calls = self._calls[guard.step_index] = deque(maxlen=MAX_CALLS_PER_STEP)
+        calls.append(RootCall(
             module=module, args=args, kwargs=kwargs, rng=rng_state(), autocast=autocast_state(),
             training=module.training, traced=guard.tracing,
             versions=tuple(t._version for t in input_tensors(args, kwargs)),
             optimizer_steps=self._optimizer_steps,
         ))
 
-    def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
-        if self._pending and threading.get_ident() == self.guard._thread:
-            self._serve()
-
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
 
     # -- requests ------------------------------------------------------------------------------
 
-    def request(self, code: str, step: int) -> None:
-        """A step-level check saw ``code`` in ``step``: replay that step unless an episode is
-        open. Under ``policy="raise"`` at once (before the finding raises); otherwise at the next
-        optimizer step pre-hook (before the optimizer applies the step) or the step end."""
+    def request(self, code: str, step: int) -> Optional[Outcome]:
+        """A judge found ``code`` in ``step``: replay that step now, unless an episode is open
+        (None) or it was replayed already. Its outcome; ``skipped`` says why it did not run."""
         if self.replaying or self.guard.suspended:
-            return
+            return None
         quiet = self.guard.thresholds.auto_quiet_steps
         if step <= self._episode_until:
             self._episode_until = max(self._episode_until, step + quiet)
-            return
+            return None
         if code == SKIPPED and step <= self._skip_episode_until:
             self._skip_episode_until = max(self._skip_episode_until, step + quiet)
-            return
-        if step in self._replayed:
-            return
-        self._pending.setdefault(step, set()).add(code)
-        if self.guard.policy == "raise":
-            self._serve()
+            return None
+        outcome = self.outcome_of(step)
+        if outcome is not None:
+            return outcome
+        outcome = Outcome(step, (code,))
+        try:
+            self._replay_step(outcome, self._calls_of(step))
+        except ReplayError as reason:
+            outcome.skipped = str(reason)
+        finally:  # also when a finding raises under policy="raise"
+            self._close(outcome)
+        return outcome
 
     def observe(self, event) -> None:
         """Every event the guard emits passes here: the replay's own are marked, and an AMP101
         is remembered as its step's forward cause."""
         if self.replaying:
             event.details["replayed"] = True
-        if event.code == "AMP101" and event.step is not None:  # the step's first one
+        if event.code == "AMP101":  # the step's first one
             self._forward_causes.setdefault(event.step, Origin(
                 "forward", event.op, event.module, event.source, {"code": "AMP101"}))
-            for old in [s for s in self._forward_causes if s < event.step - 2]:
-                del self._forward_causes[old]
 
-    def flush(self) -> None:
-        if self._pending:
-            self._serve()
+    def _step_judged(self, step: int, record) -> None:
+        """Every reading of ``step`` has been judged: no request for it can come any more."""
+        for kept in [s for s in (*self._calls, *self._forward_causes) if s <= step]:
+            self._calls.pop(kept, None)
+            self._forward_causes.pop(kept, None)
 
     def on_step_end(self, step, record) -> None:
-        if record.get("skipped"):
-            self.request(SKIPPED, step)
-        if self._pending:
-            self._serve()
-        self._previous = (step, list(self._calls))
-        self._calls.clear()
         if self._learning.active:
             self._learning_steps += 1
             if self._roots or self._learning_steps >= self.guard.thresholds.watch_steps:
@@ -730,8 +704,6 @@ class StepReplay(Monitor):
     def explain_nonfinite_grads(self, step: int, kwargs: dict) -> dict:
         """AMP103's emit arguments naming where the step's non-finite gradients came from, when
         the step's live trace or its replay found it (otherwise as given)."""
-        if step in self._pending:
-            self._serve()
         outcome = self.outcome_of(step)
         origin = self._forward_causes.get(step)
         if origin is None and outcome is not None and outcome.reproduced:
@@ -749,31 +721,14 @@ class StepReplay(Monitor):
 
     # -- the replay -----------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        pending, self._pending = self._pending, {}
-        for step, triggers in sorted(pending.items()):
-            if step in self._replayed:
-                continue
-            self._replayed.append(step)
-            outcome = Outcome(step, tuple(sorted(triggers)))
-            try:
-                self._replay_step(outcome, self._calls_of(step))
-            except ReplayError as reason:
-                outcome.skipped = str(reason)
-            finally:  # also when a finding raises under policy="raise"
-                self._close(outcome)
-
     def _calls_of(self, step: int) -> List[RootCall]:
-        if step == self.guard.step_index:
-            calls = list(self._calls)
-        elif self._previous is not None and self._previous[0] == step:
-            calls = self._previous[1]
-        else:
-            raise ReplayError("its module calls are no longer kept")
+        """``step``'s calls, if replaying them now would replay that step: the parameters and
+        the inputs must be those its forward saw."""
+        calls = list(self._calls.get(step, ()))
         if not calls:
             raise ReplayError("no root module call was recorded in it")
         if any(call.optimizer_steps != self._optimizer_steps for call in calls):
-            raise ReplayError("an optimizer step changed the parameters since its forward")
+            raise ReplayError("an optimizer step changed the parameters before it was judged")
         for call in calls:
             if tuple(t._version for t in input_tensors(call.args, call.kwargs)) != call.versions:
                 raise ReplayError("an input was modified in place after its forward")
@@ -802,11 +757,9 @@ class StepReplay(Monitor):
         if outcome.step in self._forward_causes:  # traced live: the forward cause is known
             outcome.origin = self._forward_causes[outcome.step]
             return
-        tracers = [m.trace_handler for m in guard.monitors if m.trace_handler is not None]
-        if not any(not call.traced for call in calls):
-            tracers = []
+        trace = guard.enabled("AMP101") and any(not call.traced for call in calls)
         localize = "AMP103" in outcome.triggers and guard.enabled("AMP103")
-        if not tracers and not localize:
+        if not trace and not localize:
             return
         modules = list(dict.fromkeys(eager_module(call.module) for call in calls))
         for module in modules:
@@ -822,8 +775,8 @@ class StepReplay(Monitor):
                 try:
                     with _preserved(modules), _eager():
                         if localize and observed is None:
-                            observed = _nonfinite_grads(params)
-                        self._run(outcome, calls, tracers, localize, params, observed)
+                            observed = _nonfinite_grads(params, guard.readings)
+                        self._run(outcome, calls, trace, localize, params, observed)
                 finally:  # also when a finding raises (policy="raise"): the run stops there
                     self.replaying = False
                     self._save_once(outcome, calls, modules, observed)
@@ -832,25 +785,26 @@ class StepReplay(Monitor):
         except Exception as err:  # the user's forward failed on replay: their run goes on
             raise ReplayError(f"the replayed forward raised {type(err).__name__}: {err}") from None
 
-    def _run(self, outcome, calls, tracers, localize, params, observed) -> None:
+    def _run(self, outcome, calls, trace, localize, params, observed) -> None:
         """Each call in order, traced; stop at the first forward cause."""
         guard = self.guard
-        untraced = frozenset().union(*(m.untraced for m in guard.monitors))
+        op_trace = OpTrace(guard.tracker) if trace else None
         replayed_nonfinite: Set[int] = set()
         for call in calls:
             localizer = _Localizer(guard) if localize else None
-            handlers = [*tracers, localizer.record] if localizer else tracers
+            handlers = [] if op_trace is None else [op_trace.check]
+            if localizer is not None:
+                handlers.append(localizer.record)
             # views and copies create autograd nodes too: the localizer sees every op
-            mode = GuardMode((), handlers, frozenset() if localizer else untraced)
+            mode = GuardMode((), handlers, frozenset() if localizer else UNTRACED_FUNCTIONS)
             mode.set_tracing(True)
             module = eager_module(call.module)
             set_rng_state(call.rng)
             with _autocast(call.autocast), torch.enable_grad(), _training(module, call.training):
                 with mode:
                     out = module(*_detached(call.args), **_detached(call.kwargs))
-            for monitor in guard.monitors:
-                if monitor.trace_handler is not None:
-                    monitor.flush()  # the replayed ops' device readings, read now
+            if op_trace is not None:
+                self._judge_trace(op_trace, outcome.step)
             if outcome.step in self._forward_causes:
                 outcome.origin = self._forward_causes[outcome.step]
                 return
@@ -861,6 +815,15 @@ class StepReplay(Monitor):
             del out
         if localize:
             outcome.reproduced = bool(observed) and replayed_nonfinite == observed
+
+    def _judge_trace(self, op_trace: OpTrace, step: int) -> None:
+        """Judge the replayed ops as the live trace's are judged, reading their peaks at once
+        (the one wait of a replay's forward): an AMP101 becomes ``step``'s forward cause."""
+        with torch._C.DisableTorchFunction():
+            stacked, positions, ops = op_trace.take()
+        if ops:
+            values = self.guard.readings.read_now(stacked)
+            report_trace(self.guard, ops, positions, values, step)
 
     def _save_once(self, outcome, calls, modules, observed) -> None:
         """Write the first anomalous replayed step as a repro bundle into the log folder (after
@@ -947,7 +910,8 @@ def _device_of(module: torch.nn.Module) -> str:
 
 def save_bundle(path: str, outcome: Outcome, calls: Sequence[RootCall],
                 modules: Sequence[torch.nn.Module], nonfinite: Sequence[str]) -> None:
-    """Write a step's calls with the modules' parameters and buffers, RNG and autocast state."""
+    """Write a step's calls with the modules' parameters and buffers, RNG and autocast state
+    (copied to the host: once per run, for the first replayed anomaly)."""
     index = {id(module): i for i, module in enumerate(modules)}
     owner = {name: i for i, module in enumerate(modules) for name, _ in module.named_parameters()}
     bundle = {

@@ -1,9 +1,10 @@
 """Where an op runs: the module path (``blocks.2.mlp.fc2``) and the user's source line.
 
-Both are read off the Python call stack when an event is emitted, so tracking costs
-nothing while no event happens. (``torch.utils.module_tracker.ModuleTracker`` instead
-registers a multi-grad hook per module call and keeps the handles until it exits,
-which grows over a long run and costs host time per call.)
+Both are read off the Python call stack when an event is emitted (and, while tracing, for
+each checked op: ``ModuleTracker.site``), so tracking costs nothing while no event happens.
+(``torch.utils.module_tracker.ModuleTracker`` instead registers a multi-grad hook per module
+call and keeps the handles until it exits, which grows over a long run and costs host time
+per call.)
 
 The user's line is the innermost frame outside torch, this package and the training
 frameworks that drive the loop (Lightning, Hugging Face transformers and accelerate):
@@ -17,7 +18,8 @@ import importlib.util
 import os
 import sys
 import weakref
-from typing import List, Optional, Tuple
+from types import CodeType, FrameType
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,6 +48,15 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SKIPPED_DIRS = (_TORCH_DIR, PACKAGE_DIR)
 #: Frames of the frameworks (resolved once, here): skipped, the innermost kept as the library's.
 _FRAMEWORK_DIRS = _package_dirs(FRAMEWORKS)
+#: Whose code a frame runs (``_code_kind``).
+_SKIPPED, _FRAMEWORK, _USER = range(3)
+
+
+def _code_kind(filename: str) -> int:
+    """``_SKIPPED`` (torch's, the guard's), ``_FRAMEWORK`` or ``_USER`` code."""
+    if filename.startswith(_FRAMEWORK_DIRS):
+        return _FRAMEWORK
+    return _SKIPPED if filename.startswith(_SKIPPED_DIRS) else _USER
 
 
 def call_frames(frame):
@@ -54,18 +65,13 @@ def call_frames(frame):
     innermost framework frame inside it (None when the user's code called torch directly)."""
     library = None
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(_FRAMEWORK_DIRS):
-            library = library or frame
-        elif not filename.startswith(_SKIPPED_DIRS):
+        kind = _code_kind(frame.f_code.co_filename)
+        if kind == _USER:
             break
+        if kind == _FRAMEWORK:
+            library = library or frame
         frame = frame.f_back
     return frame, library
-
-
-def user_frame():
-    """The innermost frame of the user's code (see ``call_frames``), or None."""
-    return call_frames(sys._getframe(1))[0]
 
 
 def format_source(filename: str, lineno: int) -> str:
@@ -77,19 +83,30 @@ def format_source(filename: str, lineno: int) -> str:
     return f"{filename if relative.startswith('..') else relative}:{lineno}"
 
 
-def _source_of(frame) -> Optional[str]:
-    return None if frame is None else format_source(frame.f_code.co_filename, frame.f_lineno)
+#: ``(file, line)`` of a frame, or None.
+Place = Optional[Tuple[str, int]]
+#: Where code ran: the user's place and the framework's inside it (see ``call_frames``), kept
+#: unformatted with a deferred reading and formatted (``format_location``) only if its judge
+#: reports something.
+Location = Tuple[Place, Place]
+NOWHERE: Location = (None, None)
 
 
-def user_source() -> Optional[str]:
-    """``file:line`` of the user's code running now, or None."""
-    return _source_of(user_frame())
+def _place(frame) -> Place:
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
-def call_site() -> Tuple[Optional[str], Optional[str]]:
-    """``(user's file:line, library's file:line)`` of the code running now (see ``call_frames``)."""
+def user_location() -> Location:
+    """Where the code running now was called from (see ``call_frames``), unformatted."""
     user, library = call_frames(sys._getframe(1))
-    return _source_of(user), _source_of(library)
+    return _place(user), _place(library)
+
+
+def format_location(location: Location) -> Tuple[Optional[str], Optional[str]]:
+    """``(user's file:line, library's file:line)``, each None where unknown."""
+    user, library = location
+    return (None if user is None else format_source(*user),
+            None if library is None else format_source(*library))
 
 
 def op_name(func) -> str:
@@ -114,6 +131,10 @@ class ModuleTracker:
 
     def __init__(self, model: Optional[torch.nn.Module] = None):
         self._names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+        #: The module call frame ``site`` read last, its module's path and where it was called.
+        self._last_call: Tuple[Optional[FrameType], Optional[str], Location] = (None, None, NOWHERE)
+        #: ``_code_kind`` of the code objects ``site`` met.
+        self._code_kinds: Dict[CodeType, int] = {}
         if model is not None:
             for name, module in model.named_modules():
                 self._names.setdefault(module, name)
@@ -130,6 +151,53 @@ class ModuleTracker:
         whose forward runs outside any module (the replay's, ``replay.py``)."""
         for path, sub in module.named_modules():
             self._names.setdefault(sub, path)
+
+    def site(self) -> Tuple[Optional[str], Location]:
+        """Where the running op was called: the innermost running module's path and the code
+        (``call_frames``), read in one short walk up the stack, cheap enough to take for every
+        op while tracing. It stops at the innermost module call when the op ran in the user's
+        code of that module's forward; for an op inside a module of torch's (``nn.Linear``) or
+        a framework's, the place is the one that called the module, remembered with the call."""
+        frame = sys._getframe(1)
+        user = library = None
+        kinds = self._code_kinds
+        while frame is not None:
+            code = frame.f_code
+            if code is _CALL_IMPL_CODE:
+                call, module_path, called_from = self._last_call
+                if frame is not call:  # ops of one forward: read its module once
+                    module_path, called_from = self._module_call(frame)
+                if user is None:
+                    user, library = called_from[0], library or called_from[1]
+                return module_path, (user, library)
+            if user is None:
+                kind = kinds.get(code)
+                if kind is None:
+                    kind = kinds[code] = _code_kind(code.co_filename)
+                if kind == _USER:
+                    user = (code.co_filename, frame.f_lineno)
+                elif kind == _FRAMEWORK and library is None:
+                    library = (code.co_filename, frame.f_lineno)
+            frame = frame.f_back
+        return None, (user, library)
+
+    def _module_call(self, frame: FrameType) -> Tuple[Optional[str], Location]:
+        """The module of a ``Module._call_impl`` frame and where it was called."""
+        module = frame.f_locals.get("self")
+        module_path = None
+        if isinstance(module, torch.nn.Module):
+            module_path = self._names.get(module)
+            if module_path is None:  # the first time: named from the running modules
+                module_path = self.current()
+            module_path = module_path or type(module).__name__
+        user, library = call_frames(frame.f_back)
+        called_from = (_place(user), _place(library))
+        self._last_call = (frame, module_path, called_from)
+        return module_path, called_from
+
+    def release_frames(self) -> None:
+        """Forget the module call ``site`` read last (its frame keeps the call's locals alive)."""
+        self._last_call = (None, None, NOWHERE)
 
     def name_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` (running or not), or its class name when unknown."""

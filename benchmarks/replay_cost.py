@@ -33,7 +33,7 @@ def timed(function) -> float:
 
 def measure(shape, dtype, repetitions: int) -> dict:
     torch.manual_seed(0)
-    model = TinyGPT(shape.vocab, shape.width, shape.heads, shape.layers, shape.length)
+    model = TinyGPT(shape)
     idx = torch.randint(shape.vocab, (shape.batch, shape.length))
 
     def forward():
@@ -60,8 +60,7 @@ def measure(shape, dtype, repetitions: int) -> dict:
                 samples = []
                 for _ in range(REPLAYS):
                     forward()
-                    guard.request_replay(code)
-                    samples.append(timed(guard.replayer.flush))
+                    samples.append(timed(lambda: guard.request_replay(code, guard.step_index)))
                     guard.step()
                 times[name].append(statistics.median(samples) / plain)
     return times
@@ -78,10 +77,10 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|")
     for shape_name in ("compute", "host"):
         for dtype in (torch.bfloat16, torch.float16):
-            shape = SHAPES[shape_name][dtype]
+            shape = SHAPES["cpu"][shape_name][dtype]
             times = measure(shape, dtype, repetitions)
             plain = statistics.median(times.pop("forward"))
-            label = f"{shape_name} (d={shape.width}, {shape.layers}x{shape.length}x{shape.batch})"
+            label = shape.label()
             precision = str(dtype).replace("torch.", "")
             print(f"| {label} | {precision} | forward | {plain * 1e3:.2f} | 1.00 |")
             for name, ratios in times.items():

@@ -266,13 +266,14 @@ _RULES: Tuple[Rule, ...] = (
     ),
     _rule(
         "AMP106", "grad-underflow", "P1", (RUNTIME,),
-        "{fraction:.1%} of {layer}'s gradients are zero or flush to zero in fp16 "
+        "{fraction:.1%} of {layer}'s nonzero gradients flush to zero in fp16 "
         "at loss scale {scale:g}",
         "raise the loss scale (init_scale) or use bf16",
         "gradients underflowing fp16 at the current loss scale",
         """Gradients smaller than fp16's smallest subnormal (5.96e-8) after scaling
-        become exactly zero; when more than 1% of a layer's gradients do, that layer
-        learns on a fraction of its signal.""",
+        become exactly zero; when more than 1% of a layer's nonzero gradients do, that
+        layer learns on a fraction of its signal. Exact zeros (embedding rows not in the
+        batch, dead units) are sparsity, not underflow.""",
         """Raise ``init_scale`` / keep the scaler growing, or train in bf16.""",
     ),
     _rule(

@@ -116,14 +116,18 @@ def test_trace_off_reports_the_loss_only():
     assert {e.code for e in g.report} == {"AMP112"}
 
 
-def test_policy_raise_stops_at_the_faulty_op():
+def test_policy_raise_stops_the_faulty_step_naming_the_op():
+    """Per-op peaks are judged together at the step's commit point (no host sync per op): here
+    the scaler's update, since the scaler skips the step. GuardError stops the run there, and
+    the event names the op's module and line as they were when it ran."""
     with pytest.raises(GuardError) as caught:
         with amp_runtime.guard(policy="raise", trace="always") as g:
             run_training(5, g, overflow_steps={2})
-    assert caught.value.event.code == "AMP101"
-    assert caught.value.event.module == "blocks.2.fc2"
+    event = caught.value.event
+    assert (event.code, event.module, event.step) == ("AMP101", "blocks.2.fc2", 2)
+    assert event.source == f"{THIS_FILE}:{FC2_LINE}"
     frames = traceback.extract_tb(caught.value.__traceback__)
-    assert any(f.filename == __file__ and f.lineno == FC2_LINE for f in frames)
+    assert [f.line for f in frames if f.filename == __file__][-1] == "scaler.update()"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -287,3 +291,29 @@ def test_peak_is_max_abs_and_propagates_nan_and_inf(dtype, special):
     got = peak(values).item()
     assert got == expected or (math.isnan(expected) and math.isnan(got))
     assert peak(torch.tensor(-2.5, dtype=dtype)).item() == 2.5
+
+
+def test_inputs_that_were_already_non_finite_are_not_first_causes():
+    """An additive -inf mask made before the guard (a buffer), a parameter already holding NaN,
+    and a traced tensor set to inf in place since it was produced: the ops reading them
+    propagate what they were given. Only the op that makes inf of finite values is reported."""
+    mask = torch.zeros(4, 4, dtype=torch.float16).masked_fill(
+        ~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
+    broken = nn.Linear(4, 4).half()
+    with torch.no_grad():
+        broken.weight[0, 0] = float("nan")
+    scores = torch.randn(4, 4, dtype=torch.float16)
+    with amp_runtime.guard(policy="record", trace="always", select=["AMP101"]) as g:
+        masked = scores + mask  # -inf from the mask, as asked
+        broken(scores)  # NaN from the weight
+        doubled = scores * 2
+        doubled[0, 0] = float("inf")  # in place, after doubled was traced
+        (doubled + 1).sum()
+        overflow = torch.full((2,), 300.0, dtype=torch.float16) * 300.0  # the first cause
+    assert torch.isinf(masked).any() and torch.isinf(overflow).all()
+    (event,) = g.report
+    assert event.op == "mul" and event.details["input_max"] == 300.0
+    this = test_inputs_that_were_already_non_finite_are_not_first_causes
+    lines, first = inspect.getsourcelines(this)
+    cause = first + next(n for n, line in enumerate(lines) if "# the first cause" in line)
+    assert event.source == f"{THIS_FILE}:{cause}"

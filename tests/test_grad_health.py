@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from amp_runtime.monitors.grads import (
-    FP16_FLUSH_LIMIT, SURVIVES, GradSample, gradient_stats, judge_gradients, layer_of, layer_stats,
-    quiet_norm, read_host, read_samples, total_norm,
+    CLEAR, GradSample, gradient_stats, host_values, judge_gradients, layer_of, layer_stats,
+    quiet_norm, reading_tensors, total_norm,
 )
 from amp_runtime.thresholds import Thresholds
 
@@ -17,13 +17,12 @@ def reference_row(grads, scale):
     rows = []
     for g in grads:
         g = g.float()
-        survives = normal = math.nan
-        if scale is not None:
-            in_fp16 = (g * scale).half()
-            survives = (in_fp16 != 0).sum().item()
-            normal = (in_fp16.abs() >= torch.finfo(torch.float16).tiny).sum().item()
+        clear = math.nan
+        if scale is not None:  # not zero and not rounding to fp16's smallest subnormal, 2**-24
+            in_fp16 = (g * scale).half().abs()
+            clear = (in_fp16 > torch.finfo(torch.float16).smallest_normal * 2 ** -10).sum().item()
         nonzero = (g != 0).sum().item()
-        rows.append((g.norm().item(), g.abs().max().item(), nonzero, survives, normal))
+        rows.append((g.norm().item(), g.abs().max().item(), nonzero, clear))
     return rows
 
 
@@ -38,22 +37,16 @@ def test_fused_stats_match_per_tensor_reference(scale):
         torch.randn(8, 8).half(),
     ]
     stats = gradient_stats(grads, None if scale is None else torch.tensor(scale))
-    assert stats.shape == (5, len(grads)) and stats.dtype == torch.float32
+    assert stats.shape == (4, len(grads)) and stats.dtype == torch.float32
     for column, expected in enumerate(reference_row(grads, scale)):
         got = stats[:, column].tolist()
         assert got[0] == pytest.approx(expected[0], rel=1e-5)
         assert got[1] == pytest.approx(expected[1], rel=1e-6)
         assert got[2] == expected[2]
         if scale is None:
-            assert math.isnan(got[3]) and math.isnan(got[4])
+            assert math.isnan(got[3])
         else:
-            assert got[3:] == list(expected[3:])
-
-
-def test_flush_limit_is_where_float16_rounds_to_zero():
-    below = torch.tensor(FP16_FLUSH_LIMIT * 0.999)
-    above = torch.tensor(FP16_FLUSH_LIMIT * 1.001)
-    assert below.half().item() == 0.0 and above.half().item() > 0.0
+            assert got[3] == expected[3]
 
 
 def test_cheap_stats_are_the_norms_only():
@@ -82,6 +75,13 @@ def sample(named_grads, scale=None, scaled=False):
         scaled_by=scale_tensor if scaled else None,
         loss_scale=scale_tensor,
     )
+
+
+def read_samples(samples):
+    """The samples' per-layer statistics and loss scale, read here at once (in the guard the
+    readings copy them without a host sync and judge them once they arrive)."""
+    values = [v for t in reading_tensors(samples) for v in t.reshape(-1).tolist()]
+    return layer_stats(samples, *host_values(samples, values))
 
 
 def test_read_divides_still_scaled_gradients_by_the_scale():
@@ -123,28 +123,41 @@ def test_judge_total_vanishing():
     assert "total gradient norm" in kw["detail"]
 
 
-def test_judge_underflow_counts_zeros_only_where_gradients_reach_the_fp16_floor():
-    flushed = torch.zeros(40)  # flushed to zero in the fp16 backward
-    tiny = torch.full((50,), 1e-13)  # times 1024 is ~1e-10: would flush in fp16
-    subnormal = torch.full((100,), 1e-9)  # times 1024 is ~1e-6: an fp16 subnormal
+def test_judge_underflow_estimates_the_flushed_values_and_never_counts_zeros():
+    """An fp16 backward at scale 1024 leaves its values on fp16's grid: 2**-24 (the smallest
+    subnormal) is the lowest nonzero one, and about half as many values as rounded to it flushed
+    to zero. Exact zeros are never counted, however many there are."""
+    torch.manual_seed(0)
+    scale = 1024.0
+    smallest = 2.0 ** -24 / scale  # rounds to fp16's smallest subnormal at this scale
+    zeros = torch.zeros(40)  # already flushed, or never nonzero: the two look alike
+    at_smallest = torch.full((60,), smallest)
+    subnormal = torch.full((100,), 1e-9)  # times 1024 is ~1e-6: subnormal, but far above 2**-24
     healthy = torch.full((800,), 1e-2)
-    underflowing = torch.cat([flushed, tiny, subnormal, healthy])
+    underflowing = torch.cat([zeros, at_smallest, subnormal, healthy])
     grads = {
-        "a.weight": underflowing.reshape(99, 10),
-        # the same values in a 1-D parameter: sums over the batch, zeros mostly structural
+        "a.weight": underflowing.reshape(100, 10),
+        # the same values in a 1-D parameter: sums over the batch, not an fp16 matmul's output
         "a.bias": underflowing,
-        # as many zeros, but the rest is far above the floor: dead units, not underflow
-        "b.weight": torch.cat([torch.zeros(500), healthy]).reshape(130, 10),
+        # subnormals only above the lowest bin: precision lost near zero, nothing flushed
+        "b.weight": torch.cat([subnormal, healthy]).reshape(90, 10),
+        # most values exactly zero (embedding rows not in the batch, dead units): sparsity
+        "c.weight": torch.cat([torch.zeros(5000), healthy]).reshape(580, 10),
+        # half the rows zero, the others small enough (scaled: ~1e-3) that ~5 % of them are
+        # subnormal near zero, as gradients spread around zero are: still nothing flushed
+        "d.weight": torch.cat([torch.zeros(500, 10), torch.randn(500, 10) * 1e-3 / scale]),
     }
-    layers, scale = read_samples([sample(grads, scale=1024.0)])
-    found = [kw for code, kw in judge_gradients(layers, scale, Thresholds()) if code == "AMP106"]
+    layers, found_scale = read_samples([sample(grads, scale=scale)])
+    found = [kw for code, kw in judge_gradients(layers, found_scale, Thresholds())
+             if code == "AMP106"]
     assert [kw["layer"] for kw in found] == ["a.weight"]
-    assert found[0]["fraction"] == pytest.approx(90 / 990) and found[0]["scale"] == 1024.0
+    assert found[0]["fraction"] == pytest.approx(30 / 960) and found[0]["scale"] == scale
+    assert found[0]["details"]["zero_fraction"] == pytest.approx(40 / 1000)
     by_name = {g.name: g for g in layers}
-    assert by_name["a.weight"].subnormal_fraction == pytest.approx(100 / 990)
-    dead = by_name["b.weight"]
-    assert dead.zero_fraction == pytest.approx(500 / 1300)
-    assert dead.underflow_fraction == pytest.approx(500 / 1300) and dead.subnormal_fraction == 0.0
+    assert by_name["b.weight"].underflow_fraction == 0.0
+    sparse = by_name["c.weight"]
+    assert sparse.zero_fraction == pytest.approx(5000 / 5800) and sparse.underflow_fraction == 0.0
+    assert by_name["d.weight"].underflow_fraction < 0.001
 
 
 def test_judge_nonfinite_grad_hides_norm_findings():
@@ -177,7 +190,8 @@ def test_quiet_norm_is_the_total_exactly_when_judging_finds_nothing(values, scal
     factor = 1.0 if scale is None else scale
     grads = {f"layer{i}.weight": torch.full((4,), v * factor) for i, v in enumerate(values)}
     samples = [norms_only(grads, scale)]
-    host, factors, scales = read_host(samples)
+    values = [v for t in reading_tensors(samples) for v in t.reshape(-1).tolist()]
+    host, factors, scales = host_values(samples, values)
     layers, loss_scale = layer_stats(samples, host, factors, scales)
     quiet = quiet_norm(samples, host, factors, Thresholds())
     assert (quiet is None) == bool(judge_gradients(layers, loss_scale, Thresholds()))
@@ -402,7 +416,7 @@ def test_too_small_loss_scale_reports_the_underflowing_layer_by_name():
     (event,) = g.report.by_code("AMP106")
     assert event.module == "0" and event.details["parameter"] == "0.weight"
     assert event.details["loss_scale"] == 8.0 and event.step == 0
-    assert "zero or flush to zero in fp16 at loss scale 8" in event.message
+    assert "nonzero gradients flush to zero in fp16 at loss scale 8" in event.message
 
 
 def test_underflow_is_counted_only_for_the_gradients_asked_for():
@@ -413,6 +427,81 @@ def test_underflow_is_counted_only_for_the_gradients_asked_for():
     every = gradient_stats(grads, scale)
     matrices = gradient_stats(grads, scale, counted=[True, False])
     assert not every.isnan().any()
-    assert torch.equal(every[:SURVIVES], matrices[:SURVIVES])
-    assert torch.equal(every[SURVIVES:, 0], matrices[SURVIVES:, 0])
-    assert matrices[SURVIVES:, 1].isnan().all()
+    assert torch.equal(every[:CLEAR], matrices[:CLEAR])
+    assert torch.equal(every[CLEAR:, 0], matrices[CLEAR:, 0])
+    assert matrices[CLEAR:, 1].isnan().all()
+
+
+class TokenGPT(torch.nn.Module):
+    """A small GPT: a token embedding whose vocabulary far exceeds the tokens of a batch (the rows
+    of the others get exact-zero gradients), causal attention, an output head of its own."""
+
+    def __init__(self, vocab=512, width=32, length=16):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(length, width)
+        self.attention = torch.nn.MultiheadAttention(width, 2, batch_first=True)
+        self.norm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.ReLU(),
+                                       torch.nn.Linear(4 * width, width))
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.register_buffer("causal", torch.ones(length, length, dtype=torch.bool).triu(1))
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        x = x + self.attention(x, x, x, attn_mask=self.causal, need_weights=False)[0]
+        x = x + self.mlp(self.norm(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_healthy_gpt_with_a_sparse_token_embedding_has_no_underflow(logged, tmp_path):
+    """The embedding rows of tokens absent from a batch have exact-zero gradients: sparsity, not
+    underflow. 40 steps cross the detailed steps 0 and 32 (logged: every step is detailed)."""
+    torch.manual_seed(0)
+    model = TokenGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    generator = torch.Generator().manual_seed(0)
+    zero_rows = []
+    with amp_runtime.guard(policy="record", log_dir=tmp_path if logged else None) as g:
+        for _ in range(40):
+            batch = torch.randint(512, (4, 17), generator=generator)  # 64 tokens of 512
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 512),
+                                                     batch[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            zero_rows.append((model.tokens.weight.grad == 0).all(dim=1).float().mean().item())
+            scaler.step(opt)
+            scaler.update()
+    assert g.step_index == 40 and scaler.get_scale() == 2.0 ** 16
+    assert min(zero_rows) > 0.01  # the sparsity the old count took for underflow
+    assert not g.report.by_code("AMP106"), g.report.summary()
+    assert not g.report.by_code("AMP10"), g.report.summary()
+
+
+@pytest.mark.parametrize("init_scale, reported", [(2.0 ** 16, False), (8.0, True)])
+def test_dead_relu_units_are_sparsity_and_underflow_is_still_found(init_scale, reported):
+    """Half the hidden units never fire: their rows of the first weight's gradient are exactly
+    zero, and the live rows hold gradients small enough that a few percent sit in fp16's
+    subnormal range near zero. At the default scale nothing flushes (no AMP106); at scale 8
+    the same layer loses a large share of its gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256))
+    with torch.no_grad():
+        model[0].bias[:128] = -100.0  # dead units
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    with amp_runtime.guard(policy="record", model=model) as g:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(64, 256)).float().mean() * 1e-4
+        scaler.scale(loss).backward()
+        zero_rows = (model[0].weight.grad == 0).all(dim=1).sum().item()
+        scaler.step(opt)
+        scaler.update()
+    assert zero_rows >= 128
+    events = g.report.by_code("AMP106")
+    assert ("0.weight" in [e.details["parameter"] for e in events]) == reported

@@ -64,11 +64,41 @@ def test_an_overflowing_fp16_step_fails_with_the_event_table(pytester):
 
 
 def test_policy_raise_shows_the_tests_line_not_the_guards_frames(pytester):
+    """The overflow is judged when the test body ends (its readings are flushed then, before
+    the report): the failure is the GuardError naming the test's line, without a traceback
+    through the guard."""
     _overflow_suite(pytester, '@pytest.mark.amp_guard(trace="always", policy="raise")')
     result = _run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([">*torch.full(*", "E*GuardError: AMP101*",
-                                 "test_overflow.py:6: GuardError"])
+    result.stdout.fnmatch_lines([
+        "GuardError: AMP101 (P0) *step 0* mul: mul produced inf*at test_overflow.py:6",
+        "FAILED test_overflow.py::test_overflow - *GuardError: AMP101*",
+    ])
+    assert "amp_runtime/" not in result.stdout.str()
+
+
+def test_policy_raise_in_a_training_step_stops_it_at_the_optimizer_step(pytester):
+    """Readings are judged when the optimizer is about to apply the step (on the CPU before it
+    does): the GuardError is raised there, in the test's own frame."""
+    pytester.makepyfile(test_nan_step="""
+import pytest
+import torch
+
+@pytest.mark.amp_guard(policy="raise")
+def test_nan_step(amp_guard):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    try:
+        (model(torch.ones(2, 4)) * float("nan")).sum().backward()
+        opt.step()
+    finally:
+        assert torch.equal(model.weight, before)  # the NaN step was not applied
+""")
+    result = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([">*opt.step()", "E*GuardError: AMP112*",
+                                 "test_nan_step.py:11: GuardError"])
     assert "amp_runtime/" not in result.stdout.str()
 
 

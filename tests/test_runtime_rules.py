@@ -1,4 +1,6 @@
 """Runtime halves of the code-pattern rules: each has a triggering case and a quiet twin."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,10 +165,14 @@ def test_amp007_masked_fill_beyond_fp16_range():
         with pytest.raises(RuntimeError, match="overflow"):  # CPU refuses; CUDA writes -inf
             scores.masked_fill(mask, -1e9)  # noqa: AMP007 (deliberate)
         torch.where(mask, scores, -1e5)  # noqa: AMP007 (deliberate)
+        torch.where(mask, scores, torch.tensor(-1e5))  # noqa: AMP007 (read deferred)
 
     found = events(body, "AMP007")
-    assert [(e.op, e.details["value"]) for e in found] == [("masked_fill", -1e9), ("where", -1e5)]
+    assert [(e.op, e.details["value"]) for e in found] == [
+        ("masked_fill", -1e9), ("where", -1e5), ("where", -1e5)]
     assert found[0].message.startswith("-1e+09 is outside the fp16 range (+-65504) in masked_fill")
+    (file1, _, line1), (file2, _, line2) = (e.source.rpartition(":") for e in found[1:])
+    assert file1 == file2 == os.path.relpath(__file__) and int(line2) == int(line1) + 1
 
 
 def test_amp007_quiet_for_safe_values():

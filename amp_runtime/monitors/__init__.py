@@ -55,10 +55,8 @@ class Monitor:
         return {}
 
     def on_step_end(self, step: int, record: Dict[str, Any]) -> None:
-        """Called once per training step; add this monitor's per-step values to ``record``."""
-
-    def flush(self) -> None:
-        """Read any checks still pending on the device (called at step end and on exit)."""
+        """Called once per training step; add this monitor's per-step values to ``record`` (or
+        submit readings whose judges add them: ``guard.readings``)."""
 
     def detach(self) -> None:
         """Remove every hook this monitor installed."""

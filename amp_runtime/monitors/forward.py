@@ -1,27 +1,31 @@
 """Numeric health of the forward pass: AMP101, AMP102, AMP110, AMP111, AMP112.
 
 Per-op tracing (AMP101 non-finite output from finite inputs, AMP102 fp16 near-overflow)
-costs one reduction per checked output: ``vector_norm(out, inf)`` is max |x| and
-propagates NaN, so one number answers NaN, Inf and headroom to 65504. Tracing checks
-fp16/bf16 outputs, and fp32 outputs while autocast is on: there autocast runs softmax,
-norms and losses in fp32 on low-precision inputs, and a NaN born there is still the
-first cause. fp32 ops outside autocast are not mixed precision's business, and
-checking them would double the cost of tracing an fp32 model.
+costs one reduction per checked output: ``peak`` (max |x|) propagates NaN, so one number
+answers NaN, Inf and headroom to 65504. Tracing checks fp16/bf16 outputs, and fp32 outputs
+while autocast is on: there autocast runs softmax, norms and losses in fp32 on
+low-precision inputs, and a NaN born there is still the first cause. fp32 ops outside
+autocast are not mixed precision's business, and checking them would double the cost of
+tracing an fp32 model.
+
+No host synchronisation per op: ``OpTrace`` keeps each checked op's output peak and its
+inputs' peaks on the device, in op order, with where the op ran; the guard's readings
+(``readings.py``) copy them at the next commit point and the step's ops are judged
+together: the first op whose output is non-finite while its inputs were finite is AMP101.
+The replay of a failing step (``replay.py``) traces with an ``OpTrace`` of its own, judged the
+same way (``report_trace``) as soon as it has run.
 
 The cheap tier checks the loss when backward starts (AMP112) on every step and, on watched
 steps (``guard.py``), a sample of calls (one in ``Thresholds.sample_every``) of low-precision
-adds (AMP110) and reductions (AMP111).
-
-No host synchronisation per op: values computed on an accelerator are kept on the
-device and read together when the step ends (``flush``). CPU values are read at once,
-which costs nothing and lets an event point at the op while it runs. Deferred readings
-cannot look back at an op's inputs, so there the first non-finite output of the step
-is taken as the first cause.
+adds (AMP110) and reductions (AMP111). Their values go through the same readings. A non-finite
+loss is judged with the step it was computed in, and asks for that step's replay first.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Dict, List, Tuple
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,10 +39,8 @@ from ..monitors import (
     readable,
     tensors_in,
 )
-from ..tracking import user_source
+from ..tracking import Location, user_location
 
-
-Judge = Callable[[List[float], Dict[str, Any]], None]
 
 #: ``a + b`` and ``a += b`` reach a mode as ``Tensor.add`` and ``Tensor.add_``.
 ADD_FUNCTIONS = (torch.add, torch.Tensor.add, torch.Tensor.add_)
@@ -62,42 +64,212 @@ UNTRACED_FUNCTIONS = frozenset((
 ))
 
 
+#: Checked ops a trace holds before they are handed to the readings (a loop without steps).
+MAX_TRACED_OPS = 4096
+
+
 def nonfinite_kind(value: float) -> str:
     return "NaN" if math.isnan(value) else "inf"
 
 
-class DeviceReadings:
-    """Checks whose values stay on the device until the step synchronises."""
+class TracedOp(NamedTuple):
+    """One checked op, as host values; ``output`` and ``inputs`` index the trace's peaks."""
+
+    func: Any
+    dtype: torch.dtype
+    output: int
+    inputs: List[int]
+    input_dtypes: List[torch.dtype]
+    #: The largest magnitude among the op's float arguments (a ``-inf`` mask fill: inf).
+    constant: float
+    #: Whether the op had tensor arguments at all (a factory's output is what was asked for).
+    has_tensors: bool
+    module: Optional[str]
+    location: Location
+
+
+class OpTrace:
+    """Per-op checks of a stretch of ops, kept on the device in op order and judged together.
+
+    For each checked op: the output's peak, its floating-point inputs' magnitudes and, as host
+    values, the op, its float constants and where it ran. An input that a checked op of the
+    stretch produced reuses that peak, as does a view of it (its values are a subset of the
+    base's), while neither has changed in place since (the version counter says so). Parameters
+    are measured once per stretch, all together when it is handed over (``take``), by their L2
+    norms: one fused kernel, an upper bound of max |x| that keeps NaN and Inf. Other inputs
+    (batches, buffers, copies, tensors of earlier steps) get a peak of their own. Peaks are kept
+    in one list per dtype and device, each stacked into one tensor when handed over.
+
+    Indices: the i-th peak of the stretch is ``i``; parameter ``j`` is ``~j`` (negative), which
+    the position list ``take`` returns (peaks, then parameters in reverse) resolves by Python's
+    indexing from the end.
+    """
 
     def __init__(self, tracker):
         self._tracker = tracker
-        self._pending: List[Tuple[torch.Tensor, Judge, Dict[str, Any]]] = []
+        self.ops: List[TracedOp] = []
+        self.parameters: List[torch.Tensor] = []
+        #: Peaks by (dtype, device index); ``_slots[i]`` is where the i-th peak is kept.
+        self._groups: Dict[Tuple[torch.dtype, int], List[torch.Tensor]] = {}
+        self._slots: List[Tuple[List[torch.Tensor], int]] = []
+        #: id(tensor) -> (weak reference, version, index) of the tensors measured so far.
+        self._known: Dict[int, Tuple[weakref.ref, int, int]] = {}
+        #: id(parameter) -> its index (``~j`` for ``parameters[j]``).
+        self._parameter_index: Dict[int, int] = {}
 
-    def submit(self, values: torch.Tensor, judge: Judge) -> None:
-        """Call ``judge(list_of_floats, where)``: now for CPU values, else at ``flush``.
+    def check(self, func, args, kwargs, out) -> None:
+        """Trace handler: record each checked output of an op (see the module doc)."""
+        # runs after every op while tracing: a single tensor output skips the generator
+        for tensor in (out,) if type(out) is torch.Tensor else tensors_in(out):
+            dtype = tensor.dtype
+            if dtype not in LOW_PRECISION and dtype != torch.float32 or not readable(tensor):
+                continue
+            if dtype == torch.float32 and not autocast_on(tensor.device.type):
+                continue
+            self.record(func, args, kwargs, tensor)
 
-        ``where`` is empty when judged at once (emit fills module and source itself),
-        else the module and source captured now.
-        """
-        if values.device.type == "cpu":
-            read = values.tolist()
-            judge(read if isinstance(read, list) else [read], {})
-        else:
-            where = {"module": self._tracker.current(), "source": user_source()}
-            self._pending.append((values.reshape(-1).float(), judge, where))
+    def record(self, func, args, kwargs, out: torch.Tensor) -> None:
+        # runs for every checked op: the known-input case is inlined
+        known = self._known
+        constant, has_tensors = 0.0, False
+        inputs, dtypes = [], []
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(value, torch.Tensor):
+                tensors = (value,)
+            elif isinstance(value, (list, tuple)):
+                tensors = [item for item in value if isinstance(item, torch.Tensor)]
+            else:
+                if isinstance(value, float):
+                    constant = max(constant, abs(value)) if abs(value) < math.inf else math.inf
+                continue
+            has_tensors = True
+            for tensor in tensors:
+                if tensor is out or not tensor.dtype.is_floating_point:
+                    continue
+                entry = known.get(id(tensor))
+                if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+                    index = entry[2]
+                else:
+                    index = self._measure(tensor)
+                    if index is None:
+                        continue
+                inputs.append(index)
+                dtypes.append(tensor.dtype)
+        index = self._add(peak(out))
+        self._remember(out, index)
+        module, location = self._tracker.site()
+        self.ops.append(TracedOp(func, out.dtype, index, inputs, dtypes, constant, has_tensors,
+                                 module, location))
 
-    def flush(self) -> None:
-        if not self._pending:
+    def take(self) -> Tuple[List[torch.Tensor], List[int], List[TracedOp]]:
+        """What the stretch recorded, and a fresh start: the peaks as one float32 tensor per
+        device (the parameters' norms last), where each index's value lands among the values
+        read from them, and the ops."""
+        stacked, starts, size = [], {}, 0
+        for group in self._groups.values():
+            starts[id(group)] = size
+            size += len(group)
+            stacked.append(torch.stack(group).float())
+        positions = [starts[id(group)] + position for group, position in self._slots]
+        if self.parameters:
+            norms = torch._foreach_norm(self.parameters, 2)
+            try:
+                stacked.append(torch.stack(norms).float())
+            except RuntimeError:  # parameters on several devices: the readings group them
+                stacked += [norm.float() for norm in norms]
+            positions += range(size + len(norms) - 1, size - 1, -1)  # parameter j at ~j
+        ops = self.ops
+        self.ops, self.parameters, self._groups, self._slots, self._known = [], [], {}, [], {}
+        self._parameter_index = {}
+        self._tracker.release_frames()
+        return stacked, positions, ops
+
+    def _add(self, value: torch.Tensor) -> int:
+        """Keep a 0-dim peak; its index in the stretch."""
+        key = (value.dtype, value.get_device())
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = []
+        self._slots.append((group, len(group)))
+        group.append(value)
+        return len(self._slots) - 1
+
+    def _measure(self, tensor: torch.Tensor) -> Optional[int]:
+        """The index of an input no traced op produced (None for one without values)."""
+        if isinstance(tensor, torch.nn.Parameter):  # held until ``take``: its id is its key
+            index = self._parameter_index.get(id(tensor))
+            if index is None:
+                index = self._parameter_index[id(tensor)] = ~len(self.parameters)
+                self.parameters.append(tensor)
+            return index
+        base = tensor._base
+        index = None if base is None else self._known_index(base)
+        if index is None:
+            if not readable(tensor):
+                return None
+            index = self._add(peak(tensor))
+        self._remember(tensor, index)
+        return index
+
+    def _known_index(self, tensor: torch.Tensor) -> Optional[int]:
+        known = self._known.get(id(tensor))
+        if known is None or known[0]() is not tensor or known[1] != tensor._version:
+            return None
+        return known[2]
+
+    def _remember(self, tensor: torch.Tensor, index: int) -> None:
+        """Let later inputs reuse ``tensor``'s measure, and its base's when it covers all of
+        it (an op's output is often a reshaped view of the buffer it was computed in)."""
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor has no version counter: not reused
             return
-        pending, self._pending = self._pending, []
-        readings = torch.cat([values for values, _, _ in pending]).tolist()  # the one sync
-        start = 0
-        for values, judge, where in pending:
-            judge(readings[start:start + values.numel()], where)
-            start += values.numel()
+        self._known[id(tensor)] = (weakref.ref(tensor), version, index)
+        base = tensor._base
+        if base is not None and base.numel() == tensor.numel():
+            self._known[id(base)] = (weakref.ref(base), version, index)
 
-    def clear(self) -> None:
-        self._pending = []
+
+def judge_trace(ops: Sequence[TracedOp], positions: Sequence[int], values: Sequence[float],
+                near_overflow: float) -> Tuple[List[Tuple[str, dict]], bool]:
+    """A traced stretch's findings as ``(code, emit keyword arguments)``, and whether any output
+    was non-finite. ``values`` were read from ``OpTrace.take()``'s tensors, ``positions`` place
+    each index among them. The ops in order: one whose output is non-finite while its inputs
+    (and float arguments) were finite is a first cause, AMP101; later ones propagate it. An fp16
+    output above ``near_overflow`` from inputs below it is AMP102."""
+    findings: List[Tuple[str, dict]] = []
+    nonfinite = False
+    for op in ops:
+        out_max = values[positions[op.output]]
+        if out_max <= near_overflow:  # almost every op (False for NaN)
+            continue
+        finite = math.isfinite(out_max)
+        nonfinite = nonfinite or not finite
+        bound = near_overflow if finite else math.inf
+        maxima = [values[positions[i]] for i in op.inputs]
+        if not op.has_tensors or not op.constant < bound or not all(m < bound for m in maxima):
+            continue  # asked for (a factory, a constant) or caused before
+        if finite and op.dtype != torch.float16:
+            continue  # a bf16/fp32 value this large is far from overflow
+        kwargs = dict(op=op.func, module=op.module, location=op.location, details={
+            "dtype": dtype_name(op.dtype), "output_max": out_max,
+            "input_dtypes": [dtype_name(dtype) for dtype in op.input_dtypes],
+            "input_max": max(maxima, default=None)})
+        if finite:
+            findings.append(("AMP102", dict(kwargs, value=out_max)))
+        else:
+            findings.append(("AMP101", dict(kwargs, kind=nonfinite_kind(out_max))))
+    return findings, nonfinite
+
+
+def report_trace(guard, ops: Sequence[TracedOp], positions: Sequence[int],
+                 values: Sequence[float], step: int) -> None:
+    """Emit ``judge_trace``'s findings for ``step``; a non-finite output keeps tracing on."""
+    findings, nonfinite = judge_trace(ops, positions, values, guard.thresholds.near_overflow)
+    for code, kwargs in findings:
+        guard.emit(code, step=step, **kwargs)
+    if nonfinite:
+        guard.request_tracing("AMP101")
 
 
 class ForwardMonitor(Monitor):
@@ -107,122 +279,81 @@ class ForwardMonitor(Monitor):
     def attach(self, guard) -> None:
         super().attach(guard)
         self.limits = guard.thresholds
-        self.readings = DeviceReadings(guard.tracker)
+        self.readings = guard.readings
+        self.trace = OpTrace(guard.tracker)
         self._sample_counter = 0
-        #: Deferred readings: a non-finite output was already seen this step.
-        self._nonfinite_seen = False
         if guard.enabled("AMP101") or guard.enabled("AMP102"):
             self.trace_handler = self._check_output
+            self.readings.collectors.append(self._submit_trace)
 
     def op_handlers(self) -> Dict[Any, OpHandler]:
         handlers: Dict[Any, OpHandler] = {}
-        if self.guard.enabled("AMP112"):
-            handlers.update({f: OpHandler(before=self._check_loss) for f in BACKWARD_FUNCTIONS})
+        if self.guard.enabled("AMP112") or self.trace_handler is not None:
+            handlers.update({f: OpHandler(before=self._backward_starts)
+                             for f in BACKWARD_FUNCTIONS})
         if self.guard.enabled("AMP110"):
             handlers.update({f: OpHandler(before=self._check_absorption) for f in ADD_FUNCTIONS})
         if self.guard.enabled("AMP111"):
             handlers.update({f: OpHandler(after=self._check_reduction) for f in REDUCE_FUNCTIONS})
         return handlers
 
-    def flush(self) -> None:
-        self.readings.flush()
-        self._nonfinite_seen = False
-
     def detach(self) -> None:
-        self.readings.clear()
+        if self._submit_trace in self.readings.collectors:
+            self.readings.collectors.remove(self._submit_trace)
+        self.trace.take()
         super().detach()
 
     def _sampled(self) -> bool:
         self._sample_counter += 1
         return self._sample_counter % self.limits.sample_every == 0
 
+    def _where(self) -> Tuple[Optional[str], Location]:
+        """The running module and the user's code, for a judge that runs later."""
+        return self.guard.tracker.site()
+
     # -- AMP101 / AMP102: every output while tracing ------------------------------------
 
     def _check_output(self, func, args, kwargs, out) -> None:
-        # runs after every op while tracing: a single tensor output skips the generator
-        for tensor in (out,) if type(out) is torch.Tensor else tensors_in(out):
-            dtype = tensor.dtype
-            if dtype not in LOW_PRECISION and dtype != torch.float32 or not readable(tensor):
-                continue
-            if dtype == torch.float32 and not autocast_on(tensor.device.type):
-                continue
-            out_max = peak(tensor)
-            if not out_max.is_cpu:
-                # Keep only the dtype: holding the output until the step ends would keep
-                # every activation alive.
-                self.readings.submit(out_max, lambda values, where, dtype=dtype:
-                                     self._judge_deferred(func, dtype, values[0], where))
-                continue
-            value = out_max.item()
-            if not value <= self.limits.near_overflow:  # also true for NaN
-                self._judge_now(func, args, kwargs, tensor, value)
+        self.trace.check(func, args, kwargs, out)
+        if len(self.trace.ops) >= MAX_TRACED_OPS:
+            self.readings.commit()
+            self.readings.poll()
 
-    def _judge_now(self, func, args, kwargs, out, out_max: float) -> None:
-        details = {"dtype": dtype_name(out.dtype), "output_max": out_max}
-        if math.isfinite(out_max):
-            near = out.dtype == torch.float16  # a bf16 value this large is far from overflow
-            if near and self._record_inputs(args, kwargs, out, details, self.limits.near_overflow):
-                self._check_near_overflow(func, out.dtype, out_max, details, {})
+    def _submit_trace(self) -> None:
+        """Hand the ops traced so far to the readings: their peaks, a few stacked tensors."""
+        if not self.trace.ops:
             return
-        if self._record_inputs(args, kwargs, out, details):
-            self.guard.emit("AMP101", op=func, kind=nonfinite_kind(out_max), details=details)
-        self.guard.request_tracing("AMP101")
+        with torch._C.DisableTorchFunction():
+            stacked, positions, ops = self.trace.take()
+        self.readings.submit(stacked, functools.partial(self._judge_trace, ops, positions))
 
-    def _judge_deferred(self, func, dtype, out_max: float, where) -> None:
-        """Judged at the step end: the inputs are gone, the order decides the first cause."""
-        details = {"dtype": dtype_name(dtype), "output_max": out_max, "deferred": True}
-        if math.isfinite(out_max):
-            self._check_near_overflow(func, dtype, out_max, details, where)
-            return
-        if not self._nonfinite_seen:
-            self._nonfinite_seen = True
-            self.guard.emit("AMP101", op=func, kind=nonfinite_kind(out_max), details=details,
-                            **where)
-        self.guard.request_tracing("AMP101")
-
-    def _check_near_overflow(self, func, dtype, out_max: float, details, where) -> None:
-        if dtype == torch.float16 and out_max > self.limits.near_overflow:
-            self.guard.emit("AMP102", op=func, value=out_max, details=details, **where)
-
-    @staticmethod
-    def _record_inputs(args, kwargs, out, details, limit: float = math.inf) -> bool:
-        """Add the inputs' dtypes and max |x| to ``details``; True if the op had tensor
-        inputs and all of them, and its float constants, stay below ``limit`` in magnitude
-        (finite, by default). Otherwise the op is not the first cause: a factory's output, a
-        constant the user passed (``masked_fill(mask, float("-inf"))``, or
-        ``torch.finfo(torch.float16).min`` for AMP102) or an input already that large is what
-        the user asked for or was caused before.
-
-        An in-place op's output is its own input and holds the new values, so it is left
-        out: its old values were checked when they were produced.
-        """
-        values = (*args, *kwargs.values())
-        if any(isinstance(v, float) and not abs(v) < limit for v in values):
-            return False
-        tensors = [t for v in values for t in tensors_in(v)]
-        inputs = [t for t in tensors if t is not out and t.is_floating_point()]
-        maxima = [peak(t).item() for t in inputs]
-        details["input_dtypes"] = [dtype_name(t.dtype) for t in inputs]
-        details["input_max"] = max(maxima, default=None)
-        return bool(tensors) and all(m < limit for m in maxima)
+    def _judge_trace(self, ops: List[TracedOp], positions: List[int], values: List[float],
+                     step: int) -> None:
+        report_trace(self.guard, ops, positions, values, step)
 
     # -- AMP112: the loss when backward starts -------------------------------------------
 
-    def _check_loss(self, func, args, kwargs) -> None:
-        roots = args[0] if args else kwargs.get("tensors", ())
-        for loss in tensors_in(roots):
-            if not (loss.is_floating_point() and readable(loss)):
-                continue
-            if loss.numel() == 1 and loss.device.type == "cpu":  # the usual loss: no reduction
-                self._judge_loss(loss.item(), {})
-            else:
-                self.readings.submit(peak(loss),
-                                     lambda values, where: self._judge_loss(values[0], where))
+    def _backward_starts(self, func, args, kwargs) -> None:
+        # the forward's ops are judged before its loss and its gradients: the replay of a
+        # failing step needs to know whether they found its cause
+        self._submit_trace()
+        if self.guard.enabled("AMP112"):
+            self._check_loss(args, kwargs)
 
-    def _judge_loss(self, loss_max: float, where) -> None:
-        if not math.isfinite(loss_max):
-            self.guard.request_replay("AMP112")  # under policy="raise" it runs before this raises
-            self.guard.emit("AMP112", op="backward", kind=nonfinite_kind(loss_max), **where)
+    def _check_loss(self, args, kwargs) -> None:
+        roots = args[0] if args else kwargs.get("tensors", ())
+        losses = [loss.detach() if loss.numel() == 1 else peak(loss) for loss in tensors_in(roots)
+                  if loss.is_floating_point() and readable(loss)]
+        if losses:
+            self.readings.submit(losses, functools.partial(self._judge_loss, user_location()))
+
+    def _judge_loss(self, location: Location, losses: List[float], step: int) -> None:
+        nonfinite = [value for value in losses if not math.isfinite(value)]
+        if nonfinite:
+            replay = self.guard.request_replay("AMP112", step)  # its AMP101 comes first
+            self.guard.emit("AMP112", op="backward", kind=nonfinite_kind(nonfinite[0]),
+                            location=location, step=step,
+                            details={} if replay is None else {"replay": replay.to_json()})
             self.guard.request_tracing("AMP112")
 
     # -- AMP110: absorption in low-precision adds (sampled) ------------------------------
@@ -241,16 +372,16 @@ class ForwardMonitor(Monitor):
         a_lost = ((total == b) | (a == 0)).all() & (a != 0).any()
         a_max, b_max = peak(a).float(), peak(b).float()
         ratio = torch.maximum(a_max, b_max) / torch.minimum(a_max, b_max)
-        dtype = a.dtype
-        self.readings.submit(torch.stack([(a_lost | b_lost).float(), ratio]),
-                             lambda values, where: self._judge_absorption(
-                                 func, dtype, values, where))
+        self.readings.submit([torch.stack([(a_lost | b_lost).float(), ratio])], functools.partial(
+            self._judge_absorption, func, a.dtype, self._where()))
 
-    def _judge_absorption(self, func, dtype, values, where) -> None:
+    def _judge_absorption(self, func, dtype, where, values, step) -> None:
         absorbed, ratio = values
         if absorbed:
+            module, location = where
             self.guard.emit("AMP110", op=func, ratio=ratio, dtype=dtype_name(dtype),
-                            details={"ratio": ratio}, **where)
+                            details={"ratio": ratio}, module=module,
+                            location=location, step=step)
 
     # -- AMP111: magnitude spread inside low-precision reductions (sampled) -------------
 
@@ -271,14 +402,16 @@ class ForwardMonitor(Monitor):
         count = nonzero.sum()
         mean_log = torch.where(nonzero, magnitude.log2(), 0.0).sum() / count.clamp(min=1)
         ratio = torch.where(count > 0, magnitude.amax() / torch.exp2(mean_log), 0.0)
-        dtype = source.dtype
-        self.readings.submit(ratio, lambda values, where: self._judge_reduction(
-            func, dtype, values[0], where))
+        self.readings.submit([ratio], functools.partial(
+            self._judge_reduction, func, source.dtype, self._where()))
 
-    def _judge_reduction(self, func, dtype, ratio: float, where) -> None:
+    def _judge_reduction(self, func, dtype, where, values, step) -> None:
+        ratio = values[0]
         if ratio > self.limits.imbalanced_reduce_ratio:
+            module, location = where
             self.guard.emit("AMP111", op=func, ratio=ratio, dtype=dtype_name(dtype),
-                            details={"ratio": ratio}, **where)
+                            details={"ratio": ratio}, module=module,
+                            location=location, step=step)
 
 
 def monitors(guard):

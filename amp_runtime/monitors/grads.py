@@ -1,30 +1,35 @@
 """Gradient health once per training step: AMP103, AMP104, AMP105, AMP106.
 
-Where the gradients are read:
+Where the gradients are sampled:
 
 * with a GradScaler, right after the scaler unscaled them (reported by the scaler watch,
-  ``monitors/scaler.py``): the values are unscaled, and the scaler's own ``found_inf`` already says
-  whether the step will be skipped, so no separate finiteness pass is needed;
+  ``monitors/scaler.py``) on detailed steps, else at the optimizer step that applies them
+  (reusing the norms of a ``clip_grad_norm_`` in between); the scaler's own ``found_inf`` says
+  whether the step is skipped (AMP107-AMP109's business), so no separate finiteness pass is needed;
 * otherwise in a global optimizer step pre-hook (the gradients the optimizer is about to apply; if a
   scaler scaled them and nobody unscaled them, they are divided by the scale before judging);
 * for loops with neither, at ``guard.step()`` over the ``model=`` parameters.
 
 The statistics of one set of gradients are ``torch._foreach_*`` kernels (fused over all parameters)
 producing one small tensor: every step only the per-parameter L2 norms (one pass: non-finite values,
-total norm, vanishing layers), every ``DETAIL_EVERY`` steps and on logged steps also
-max |g|, nonzero counts and fp16 underflow counts. They stay on the device until the step ends,
-where all of a step's samples are read with one host transfer. Gradient accumulation is judged once
-per step because samples are taken where the optimizer consumes the gradients, not at backward.
+total norm, vanishing layers), every ``DETAIL_EVERY`` steps and on logged steps also max |g|,
+nonzero counts and fp16 underflow counts. They go to the guard's readings (``readings.py``) when the
+optimizer is about to step on them, and are judged once their copy has reached the host: on the CPU
+right away, before the step is applied, on a GPU usually a step later, the events still carrying the
+step of the gradients. Gradient accumulation is judged once per step because samples are taken
+where the optimizer consumes the gradients, not at backward. Non-finite gradients (AMP103) have
+their step replayed first (``replay.py``), so that the event names where they came from.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -35,12 +40,11 @@ from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.monitors.scaler import watch_of
 from amp_runtime.rules.amp011 import flushes_to_zero
 from amp_runtime.thresholds import Thresholds
-from amp_runtime.tracking import live_root_modules
+from amp_runtime.tracking import live_root_modules, user_location
 
-#: A value whose magnitude is at most this rounds to zero in float16 (round-to-nearest-even).
-FP16_FLUSH_LIMIT = FP16_TINY_SUBNORMAL / 2
-#: float16's smallest normal number (2**-14); below it values lose precision, then flush.
-FP16_MIN_NORMAL = 2.0 ** -14
+#: Scaled magnitudes below this flush to zero in float16 (below 2**-25) or round to its smallest
+#: subnormal, 2**-24: the lowest bin of values it can hold, next to those it loses.
+FP16_LOWEST_BIN = 1.5 * FP16_TINY_SUBNORMAL
 
 #: Steps between detailed statistics (max |g|, zeros, fp16 underflow: AMP106), which take about
 #: ten more passes over the gradients; steps logged to metrics.jsonl are always detailed.
@@ -56,7 +60,7 @@ _IS_SPARSE = operator.attrgetter("is_sparse")
 _PARAMS = operator.itemgetter("params")
 
 #: Rows of the statistics tensor.
-NORM, MAX, NONZERO, SURVIVES, NORMAL = range(5)
+NORM, MAX, NONZERO, CLEAR = range(4)
 
 
 def l2_norms(grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -71,11 +75,12 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
     """Per-gradient statistics of same-device ``grads`` as one float32 tensor, without a host sync.
 
     Row ``NORM``: the L2 norm (NaN/Inf propagate), one fused pass. When ``detailed``, also ``MAX``
-    (max |g|), ``NONZERO`` (number of nonzero elements), and given ``loss_scale`` — the factor the
-    gradients would be multiplied by in an fp16 backward, a device tensor — ``SURVIVES`` and
-    ``NORMAL``: the number of elements whose value times ``loss_scale`` survives the cast to
-    float16, and is a normal (not subnormal) float16 (NaN without a scale, and for the gradients
-    ``counted`` marks False). Shape ``(5, n)`` when detailed, else ``(1, n)``.
+    (max |g|), ``NONZERO`` (number of nonzero elements) and, given ``loss_scale`` — the factor the
+    gradients would be multiplied by in an fp16 backward, a device tensor — ``CLEAR``: the number
+    of elements whose value times ``loss_scale`` is clear of fp16's lowest bin
+    (``FP16_LOWEST_BIN``), NaN without a scale and for the gradients ``counted`` marks False; the
+    other nonzero elements flush to zero or sit at fp16's smallest subnormal (``underflow``).
+    Shape ``(4, n)`` when detailed, else ``(1, n)``.
     """
     grads = list(grads)
     with torch.no_grad():
@@ -83,54 +88,40 @@ def gradient_stats(grads: Sequence[torch.Tensor], loss_scale: Optional[torch.Ten
         if detailed:
             columns += torch._foreach_norm(grads, math.inf, dtype=torch.float32)
             columns += torch._foreach_norm(grads, 0, dtype=torch.float32)
-            nan = torch.full((), math.nan, device=grads[0].device)
             if counted is None:
                 counted = [loss_scale is not None] * len(grads)
             chosen = [g for g, count in zip(grads, counted) if count]
             if not chosen:
-                columns += [nan] * (2 * len(grads))
+                columns += [torch.full((), math.nan, device=grads[0].device)] * len(grads)
             else:
                 # |g * scale| - limit > 0 <=> the scaled value is above limit; L0 norms count them
                 scale = loss_scale.to(grads[0].device)
                 magnitude = torch._foreach_mul([g.float() for g in chosen], scale)
                 torch._foreach_abs_(magnitude)
-                normal = torch._foreach_sub(magnitude, FP16_MIN_NORMAL)
-                torch._foreach_clamp_min_(normal, 0.0)
-                torch._foreach_sub_(magnitude, FP16_FLUSH_LIMIT)
+                torch._foreach_sub_(magnitude, FP16_LOWEST_BIN)
                 torch._foreach_clamp_min_(magnitude, 0.0)
-                for counts in (torch._foreach_norm(magnitude, 0, dtype=torch.float32),
-                               torch._foreach_norm(normal, 0, dtype=torch.float32)):
-                    found = iter(counts)
-                    columns += [next(found) if count else nan for count in counted]
+                found = iter(torch._foreach_norm(magnitude, 0, dtype=torch.float32))
+                nan = torch.full((), math.nan, device=grads[0].device)
+                columns += [next(found) if count else nan for count in counted]
         return torch.stack(columns).reshape(-1, len(grads))
 
 
 @dataclass
 class GradSample:
-    """Statistics of one set of gradients: device-side ``stats`` waiting for the step's single host
-    read, or their ``values`` already read (CPU gradients' norms, where reading costs nothing)."""
+    """Statistics of one set of gradients, ``stats`` on the device until the readings copy them."""
 
     names: List[str]
     shapes: List[torch.Size]
-    stats: Optional[torch.Tensor]
+    stats: torch.Tensor
     #: The gradients were still multiplied by this loss scale when sampled (None: unscaled).
     scaled_by: Optional[torch.Tensor] = None
     #: The loss scale in effect (AMP106 reference), None when no scaler is involved.
     loss_scale: Optional[torch.Tensor] = None
-    #: ``stats`` flattened, when already read.
-    values: Optional[List[float]] = None
 
     @property
     def rows(self) -> int:
-        """How many statistics per gradient: 1 (norms only) or 5 (detailed)."""
-        return self.stats.shape[0] if self.values is None else len(self.values) // len(self.names)
-
-    def nonfinite_on_host(self) -> bool:
-        """Whether the norms show a NaN/Inf gradient, where they are known without a device read
-        (values read already, or statistics on the CPU); False while they wait on a device."""
-        if self.values is not None:
-            return not math.isfinite(sum(self.values[:len(self.names)]))
-        return self.stats.is_cpu and not bool(torch.isfinite(self.stats[NORM]).all())
+        """How many statistics per gradient: 1 (norms only) or 4 (detailed)."""
+        return self.stats.shape[0]
 
 
 @dataclass(slots=True)
@@ -145,10 +136,9 @@ class LayerGrad:
     max: Optional[float]
     #: Fraction of exact zeros.
     zero_fraction: Optional[float]
-    #: Fraction of the elements that are zero or flush to zero in fp16 at the loss scale.
+    #: Fraction of the nonzero elements that flush to zero in fp16 at the loss scale, estimated
+    #: (``underflow``; None where not counted).
     underflow_fraction: Optional[float]
-    #: Fraction of the elements that are fp16 subnormals at the loss scale (precision already lost).
-    subnormal_fraction: Optional[float] = None
 
     def to_json(self) -> Dict[str, Optional[float]]:
         return {
@@ -159,42 +149,49 @@ class LayerGrad:
         }
 
 
-def read_samples(samples: Sequence[GradSample]) -> Tuple[List[LayerGrad], Optional[float]]:
-    """A step's samples as layer statistics (one host read) and the loss scale they had."""
-    if not samples:
-        return [], None
-    return layer_stats(samples, *read_host(samples))
+def reading_tensors(samples: Sequence[GradSample]) -> List[torch.Tensor]:
+    """What to read of ``samples``: their statistics, then each scale tensor they refer to once
+    (usually one and the same, the scaler's); ``host_values`` takes the values apart again."""
+    return [s.stats for s in samples] + list(_scale_tensors(samples).values())
 
 
-def read_host(samples: Sequence[GradSample]) -> Tuple[List[float], List[float], List[float]]:
-    """The samples' statistics as one flat host list (one transfer), and per sample the factor its
-    gradients were still scaled by (1.0 for none) and its loss scale (NaN for none)."""
-    # the scale tensors are usually one and the same (the scaler's): read each once
-    scale_tensors = {id(t): t for sample in samples
-                     for t in (sample.scaled_by, sample.loss_scale) if t is not None}
-    unread = [s.stats.flatten() for s in samples if s.values is None]
-    unread += [t.detach().float().reshape(1) for t in scale_tensors.values()]
-    if all(t.device.type == "cpu" for t in unread):
-        values = iter([value for t in unread for value in t.tolist()])
-    else:
-        values = iter(torch.cat([t.cpu() for t in unread]).tolist())
-    host = []
-    for sample in samples:
-        if sample.values is not None:
-            host += sample.values
-        else:
-            host += itertools.islice(values, sample.stats.numel())
-    scale_values = list(values)
-    host += scale_values
-    read = dict(zip(scale_tensors, scale_values))
+def _scale_tensors(samples: Sequence[GradSample]) -> Dict[int, torch.Tensor]:
+    return {id(t): t for sample in samples for t in (sample.scaled_by, sample.loss_scale)
+            if t is not None}
+
+
+def host_values(samples: Sequence[GradSample], values: Sequence[float]
+                ) -> Tuple[List[float], List[float], List[float]]:
+    """``reading_tensors(samples)``'s values as the samples' statistics (one flat list), and per
+    sample the factor its gradients were still scaled by (1.0 for none) and its loss scale (NaN
+    for none)."""
+    size = sum(s.stats.numel() for s in samples)
+    host = list(values[:size])
+    read = dict(zip(_scale_tensors(samples), values[size:]))
     factors = [1.0 if s.scaled_by is None else read[id(s.scaled_by)] for s in samples]
     scales = [math.nan if s.loss_scale is None else read[id(s.loss_scale)] for s in samples]
     return host, factors, scales
 
 
+def underflow_fraction(nonzero: float, clear: float) -> float:
+    """The fraction of a gradient's nonzero values that flush to zero in fp16 at the loss scale,
+    from its ``NONZERO`` and ``CLEAR`` counts.
+
+    Exact zeros are not counted: an embedding row not in the batch, a dead unit, a masked position
+    is sparsity. What an fp16 backward flushed is exactly zero by now too, though, so the flushed
+    values are estimated from their neighbours: the scaled values that rounded to fp16's smallest
+    subnormal (2**-24) lie in a bin twice as wide as the one that rounds to zero, so half their
+    number flushed, where the gradients reach down there. Not the share of subnormals: a healthy
+    layer's gradients have 1-3 % of them, near zero, at the default scale.
+    """
+    if not nonzero:
+        return 0.0
+    return (nonzero - clear) / 2 / nonzero
+
+
 def layer_stats(samples: Sequence[GradSample], host: List[float], factors: List[float],
                 scales: List[float]) -> Tuple[List[LayerGrad], Optional[float]]:
-    """The per-layer statistics in ``read_host``'s values, and the loss scale they had."""
+    """The per-layer statistics in ``host_values``' values, and the loss scale they had."""
     layers: List[LayerGrad] = []
     offset = 0
     for sample, factor, scale in zip(samples, factors, scales):
@@ -203,14 +200,13 @@ def layer_stats(samples: Sequence[GradSample], host: List[float], factors: List[
         offset += len(rows) * n
         for i, (name, shape) in enumerate(zip(sample.names, sample.shapes)):
             numel = shape.numel()
-            largest = zero_fraction = underflow = subnormal = None
+            largest = zero_fraction = underflow = None
             if len(rows) > 1 and numel:
                 largest = rows[MAX][i] / factor
-                survives, normal = rows[SURVIVES][i], rows[NORMAL][i]
-                zero_fraction = 1.0 - rows[NONZERO][i] / numel
-                if not math.isnan(survives):
-                    underflow = 1.0 - survives / numel
-                    subnormal = (survives - normal) / numel
+                nonzero, clear = rows[NONZERO][i], rows[CLEAR][i]
+                zero_fraction = 1.0 - nonzero / numel
+                if not math.isnan(clear):
+                    underflow = underflow_fraction(nonzero, clear)
             layers.append(LayerGrad(
                 name=name,
                 numel=numel,
@@ -219,7 +215,6 @@ def layer_stats(samples: Sequence[GradSample], host: List[float], factors: List[
                 max=largest,
                 zero_fraction=zero_fraction,
                 underflow_fraction=underflow,
-                subnormal_fraction=subnormal,
             ))
     known_scales = [s for s in scales if not math.isnan(s)]
     return layers, (known_scales[-1] if known_scales else None)
@@ -308,15 +303,11 @@ def judge_gradients(
 
     if loss_scale is not None and layers[0].max is not None:  # detailed step
         for g in layers:
-            # Judged on weight matrices and kernels, whose gradients an fp16 matmul/conv computes;
-            # 1-D parameters get sums over the batch, and their zeros are mostly structural (an
-            # attention key bias has no gradient by construction). Zeros count only where the
-            # gradients reach fp16's subnormal floor at this scale: elsewhere (dead units, unused
-            # embedding rows) they are structural too.
-            fraction, limit = g.underflow_fraction, limits.grad_underflow_fraction
-            if g.ndim < 2 or fraction is None:
-                continue
-            if fraction > limit and g.subnormal_fraction > limit:
+            # Judged on weight matrices and kernels, whose gradients an fp16 matmul/conv computes
+            # (1-D parameters get sums over the batch), over their nonzero values
+            # (``underflow_fraction``: exact zeros are sparsity, not underflow).
+            fraction = g.underflow_fraction
+            if g.ndim >= 2 and fraction is not None and fraction > limits.grad_underflow_fraction:
                 findings.append(("AMP106", dict(
                     fraction=fraction, layer=g.name, scale=loss_scale, module=layer_of(g.name),
                     details={"parameter": g.name, "loss_scale": loss_scale,
@@ -370,16 +361,21 @@ class GradHealth(Monitor):
     def __init__(self, guard):
         super().__init__()
         self.names = ParameterNames(guard.model)
-        self.pending: List[GradSample] = []
+        #: Samples taken when a scaler unscaled an optimizer's gradients (id -> samples), submitted
+        #: when it steps on them; dropped at the step end if it does not (the scaler skipped).
+        self.unscaled: Dict[int, List[GradSample]] = {}
         self.sampled_optimizers: set = set()
         #: Optimizers whose gradients are sampled at their step: id -> (scaled_by, loss_scale).
         self.deferred: Dict[int, tuple] = {}
         #: Per-gradient L2 norms ``clip_grad_norm_`` computed after the unscale (id(grad) -> norm).
         self.clip_norms: Dict[int, torch.Tensor] = {}
-        self._previous_keys: set = set()
+        #: The lasting conditions (AMP105, AMP106) reported at the last judgement, per optimizer
+        #: (None: ``guard.step()``), so that each is reported when it starts or changes.
+        self._previous_keys: Dict[Optional[int], set] = {}
 
     def attach(self, guard):
         super().attach(guard)
+        self.readings = guard.readings
         self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
         self._watch = watch_of(guard)
         self._watch.check_listeners.append(self._unscaled)
@@ -389,7 +385,8 @@ class GradHealth(Monitor):
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _sample(self, params: List[torch.Tensor], scaled_by=None, loss_scale=None) -> None:
+    def _sample(self, params: List[torch.Tensor], scaled_by=None,
+                loss_scale=None) -> List[GradSample]:
         # Once per step over every parameter: the usual case (dense gradients on one device) is
         # recognised without a Python loop.
         grads = list(map(_GRAD, params))
@@ -397,7 +394,7 @@ class GradHealth(Monitor):
             params = [p for p, g in zip(params, grads) if g is not None and not g.is_sparse]
             grads = list(map(_GRAD, params))
         if not grads:
-            return
+            return []
         logged = self._logged_step()
         detailed = logged or self._detailed_step()
         groups = [(params, grads)]
@@ -408,6 +405,7 @@ class GradHealth(Monitor):
                 device_params.append(param)
                 device_grads.append(grad)
             groups = list(by_device.values())
+        samples = []
         for device_params, grads in groups:
             flush_factor = None
             if loss_scale is not None:
@@ -420,21 +418,17 @@ class GradHealth(Monitor):
                     # AMP106 judges weight matrices only; logged steps count every layer
                     counted = None if logged or flush_factor is None else [
                         g.dim() >= 2 for g in grads]
-                    stats, values = gradient_stats(grads, flush_factor, counted=counted), None
+                    stats = gradient_stats(grads, flush_factor, counted=counted)
                 else:
-                    norms = self._norms_reusing_clip(grads)
-                    if grads[0].device.type == "cpu":  # read now: no stacking, no copy
-                        stats, values = None, [norm.item() for norm in norms]
-                    else:
-                        stats, values = torch.stack(norms).reshape(1, -1), None
-            self.pending.append(GradSample(
+                    stats = torch.stack(self._norms_reusing_clip(grads)).reshape(1, -1)
+            samples.append(GradSample(
                 names=self.names.names(device_params),
                 shapes=list(map(_SHAPE, grads)),
                 stats=stats,
                 scaled_by=scaled_by,
                 loss_scale=loss_scale,
-                values=values,
             ))
+        return samples
 
     def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """The L2 norms (float32): those clip_grad_norm_ already computed, and the rest."""
@@ -455,7 +449,8 @@ class GradHealth(Monitor):
         ids = None if grads is None else {id(g) for g in grads}
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None and (ids is None or id(p.grad) in ids)]
-        self._sample(params, scaled_by=scaled_by, loss_scale=scaler._scale)
+        samples = self._sample(params, scaled_by=scaled_by, loss_scale=scaler._scale)
+        self.unscaled.setdefault(id(optimizer), []).extend(samples)
         self.sampled_optimizers.add(id(optimizer))
 
     def _norms_computed(self, func, args, kwargs, out):
@@ -468,25 +463,38 @@ class GradHealth(Monitor):
                 self.clip_norms[id(tensor)] = norm
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
-        if self.guard is None or self.guard.suspended or id(optimizer) in self.sampled_optimizers:
+        guard = self.guard
+        if guard is None or guard.suspended or threading.get_ident() != guard._thread:
             return
-        if threading.get_ident() != self.guard._thread:
+        key = id(optimizer)
+        samples = self.unscaled.pop(key, [])
+        if key not in self.sampled_optimizers:
+            if key in self.deferred:
+                scaled_by, loss_scale = self.deferred.pop(key)
+            else:
+                scaled_by = None
+                for state in self._watch.scaled_pending():
+                    if state.stage(optimizer) is OptState.READY:
+                        # stepping on scaled gradients (AMP006): judge them unscaled
+                        scaled_by = state.scaler._scale
+                loss_scale = scaled_by
+            params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+            samples += self._sample(params, scaled_by=scaled_by, loss_scale=loss_scale)
+            self.sampled_optimizers.add(key)
+        # inside GradScaler.step a found inf/NaN skips the step (a fused optimizer, stepping
+        # anyway, ignores it); stepped directly, the optimizer applies whatever it has
+        skipped_if = self._watch.found_inf(optimizer) if self._watch.scaler_stepping() else []
+        self._submit(key, samples, skipped_if)
+
+    def _submit(self, key: Optional[int], samples: List[GradSample],
+                skipped_if: List[torch.Tensor]) -> None:
+        """Hand ``samples`` to the readings, judged as one set of gradients unless one of the
+        ``skipped_if`` flags is set."""
+        if not samples:
             return
-        if id(optimizer) in self.deferred:
-            scaled_by, loss_scale = self.deferred.pop(id(optimizer))
-        else:
-            scaled_by = None
-            for state in self._watch.scaled_pending():
-                if state.stage(optimizer) is OptState.READY:
-                    # stepping on scaled gradients (AMP006): judge them unscaled
-                    scaled_by = state.scaler._scale
-            loss_scale = scaled_by
-        params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
-        sampled = len(self.pending)
-        self._sample(params, scaled_by=scaled_by, loss_scale=loss_scale)
-        self.sampled_optimizers.add(id(optimizer))
-        if any(sample.nonfinite_on_host() for sample in self.pending[sampled:]):
-            self.guard.request_replay("AMP103")  # replayed before this optimizer applies them
+        judge = functools.partial(self._judge, key, samples, len(skipped_if),
+                                  self.guard.step_record, user_location())
+        self.readings.submit(reading_tensors(samples) + skipped_if, judge)
 
     def _logged_step(self) -> bool:
         """Whether this step's per-layer statistics go to metrics.jsonl."""
@@ -497,42 +505,56 @@ class GradHealth(Monitor):
         """Whether this step also counts zeros and fp16 underflow (AMP106, metrics.jsonl layers)."""
         return self._logged_step() or self.guard.step_index % DETAIL_EVERY == 0
 
-    # -- judgement ---------------------------------------------------------------------
-
     def on_step_end(self, step, record):
-        if not self.pending and self.guard.manual_steps and self.guard.model is not None:
-            self._sample(list(self.guard.model.parameters()))
-        samples = self.pending
-        self.pending, self.sampled_optimizers = [], set()
+        if not self.sampled_optimizers and self.guard.manual_steps and self.guard.model is not None:
+            self._submit(None, self._sample(list(self.guard.model.parameters())), [])
+        self.unscaled.clear()  # no optimizer stepped on them: the scaler skipped the step
+        self.sampled_optimizers = set()
         self.deferred.clear()
         self.clip_norms.clear()
         record.setdefault("grad_norm", None)
-        if not samples or record.get("skipped"):
-            return  # a scaler caught inf/NaN and skipped the step: AMP107-AMP109's business
-        host, factors, scales = read_host(samples)
-        total = quiet_norm(samples, host, factors, self.guard.thresholds)
+
+    # -- judgement ---------------------------------------------------------------------
+
+    def _judge(self, key, samples, flags, record, location, values, step) -> None:
+        """One optimizer's gradients of ``step``, read: findings, and the step record's norm."""
+        if flags and any(values[-flags:]):
+            return  # a scaler caught inf/NaN and skips the step: AMP107-AMP109's business
+        host, factors, scales = host_values(samples, values)
+        limits = self.guard.thresholds
+        previous = self._previous_keys.get(key, set())
+        if len(self._previous_keys) >= _NAME_LISTS:
+            self._previous_keys.clear()
+        total = quiet_norm(samples, host, factors, limits)
         if total is not None:  # nothing to report; AMP106 conditions last until a detailed step
-            self._previous_keys = {key for key in self._previous_keys if key[0] == "AMP106"}
-            record["grad_norm"] = total
+            self._previous_keys[key] = {k for k in previous if k[0] == "AMP106"}
+            _add_norm(record, total)
             return
         layers, loss_scale = layer_stats(samples, host, factors, scales)
-        findings = judge_gradients(layers, loss_scale, self.guard.thresholds)
+        findings = judge_gradients(layers, loss_scale, limits)
         detailed = layers[0].max is not None
         # AMP105-AMP106 conditions last; report them when they start or change, not at every step
-        keys = {key for key in self._previous_keys if key[0] == "AMP106" and not detailed}
+        keys = {k for k in previous if k[0] == "AMP106" and not detailed}
         for code, kwargs in findings:
             layers_named = tuple(kwargs.get("details", {}).get("layers", ()))
-            key = (code, kwargs.get("severity"), kwargs.get("layer"), layers_named)
-            keys.add(key)
-            if key not in self._previous_keys:
+            condition = (code, kwargs.get("severity"), kwargs.get("layer"), layers_named)
+            keys.add(condition)
+            if condition not in previous:
                 if code == "AMP103" and self.guard.replayer is not None:
-                    self.guard.request_replay(code, step)
+                    self.guard.request_replay(code, step)  # before the optimizer applies them
                     kwargs = self.guard.replayer.explain_nonfinite_grads(step, kwargs)
-                self.guard.emit(code, **{"op": "optimizer.step", **kwargs})
-        self._previous_keys = keys
-        record["grad_norm"] = total_norm(layers)
-        if detailed and step % self.guard.thresholds.metrics_every == 0:
-            record["layers"] = {g.name: g.to_json() for g in layers}
+                self.guard.emit(code, **{"op": "optimizer.step", "location": location,
+                                         "step": step, **kwargs})
+        self._previous_keys[key] = keys
+        _add_norm(record, total_norm(layers))
+        if detailed and step % limits.metrics_every == 0:
+            record.setdefault("layers", {}).update((g.name, g.to_json()) for g in layers)
+
+
+def _add_norm(record: Dict[str, Any], norm: float) -> None:
+    """Add one optimizer's total gradient norm to the step's (several optimizers: their hypot)."""
+    previous = record.get("grad_norm")
+    record["grad_norm"] = norm if previous is None else math.hypot(previous, norm)
 
 
 class OptimizerEpsilon(Monitor):

@@ -31,7 +31,10 @@ from torch.compiler import is_compiling
 from amp_runtime.entry_points import SharedPatch
 from amp_runtime.monitors import Monitor, OpHandler, live_instances
 from amp_runtime.thresholds import Thresholds
+from amp_runtime.tracking import Location, user_location
 
+#: The trigger of a replay requested because a GradScaler skipped a step (``replay.py``).
+SKIPPED = "skipped"
 #: GradScaler's default init_scale; a higher initial scale calibrates down to about this.
 CALIBRATED_SCALE = 2.0 ** 16
 
@@ -278,7 +281,6 @@ class ScalerWatch(Monitor):
         self.states: Dict[int, ScalerState] = {}
         self._searched: set = set()
         self._scale_before: Optional[torch.Tensor] = None
-        self._step_record: Dict[str, object] = {}
         self._last_root = None
         #: Called after a scaler checked an optimizer's gradients (see ``CheckListener``).
         self.check_listeners: List[CheckListener] = []
@@ -332,6 +334,19 @@ class ScalerWatch(Monitor):
         """Scalers that scaled a backward in this step and have not been updated since."""
         return [s for s in self.states.values() if s.scaled_backward and s.scaler is not None]
 
+    def found_inf(self, optimizer) -> List[torch.Tensor]:
+        """The inf/NaN flags (one per device) the scalers' check of ``optimizer``'s gradients
+        left in this step, on the device: nonzero means ``GradScaler.step`` skips the step (or
+        has a fused optimizer ignore it)."""
+        flags = []
+        for state in self.states.values():
+            scaler = state.scaler
+            per_optimizer = None if scaler is None else scaler._per_optimizer_states.get(
+                id(optimizer))
+            if per_optimizer:
+                flags += per_optimizer["found_inf_per_device"].values()
+        return flags
+
     # -- handlers ------------------------------------------------------------------------
 
     def op_handlers(self):
@@ -360,7 +375,7 @@ class ScalerWatch(Monitor):
     def _updated(self, func, args, kwargs, out):
         scaler, _, _ = scaler_call()
         if scaler is not None:
-            self._scale_updated(scaler, *_read_update(self._scale_before, args[0], args[2]))
+            self._scale_updated(scaler, self._scale_before, args[0], args[2])
 
     # -- GradScaler's methods, run unobserved -------------------------------------------
 
@@ -392,39 +407,43 @@ class ScalerWatch(Monitor):
         if not found:  # no scale update kernel runs
             return original(scaler, new_scale)
         scale = scaler._scale
-        if scale.device.type == "cpu":  # reading costs nothing here: no copies, no stacking
-            used, inf = scale.item(), sum(t.item() for t in found)
-            original(scaler, new_scale)
-            self._scale_updated(scaler, used, scale.item(), inf)
-            return
         before = scale.clone()
         # as update() combines them (it adds into the first one in place: sum before)
         found_inf = found[0] if len(found) == 1 else torch.stack(
             [t.to(scale.device) for t in found]).sum()
         original(scaler, new_scale)
-        self._scale_updated(scaler, *_read_update(before, scale, found_inf))
+        self._scale_updated(scaler, before, scale, found_inf)
 
     def _checked(self, scaler, optimizer, still_scaled: bool, grads) -> None:
         self.state_of(scaler).optimizers.add(optimizer)
         for listener in self.check_listeners:
             listener(scaler, optimizer, still_scaled, grads)
 
-    def _scale_updated(self, scaler, used: float, new: float, inf: float) -> None:
-        """``scaler`` updated its scale from ``used`` to ``new``; ``inf`` > 0: it skipped."""
+    def _scale_updated(self, scaler, used: torch.Tensor, new: torch.Tensor,
+                       found_inf: torch.Tensor) -> None:
+        """``scaler`` updated its scale from ``used`` to ``new`` (device tensors; ``found_inf``
+        > 0: it skipped the step). Judged when the readings arrive, into this step's record."""
         state = self.state_of(scaler)
         state.scaled_backward = False
-        skipped = inf > 0
-        self._step_record = {"loss_scale": used, "skipped": skipped}
-        for code, kwargs_ in state.history.observe(new, skipped):
-            self.guard.emit(code, op="GradScaler.update", **kwargs_)
+        judge = functools.partial(self._judge_update, state, self.guard.step_record,
+                                  user_location())
+        self.guard.readings.submit([used, new, found_inf], judge)
         for listener in self.update_listeners:
             listener(scaler)
+
+    def _judge_update(self, state: ScalerState, record, location: Location, values, step) -> None:
+        used, new, inf = values
+        skipped = inf > 0
+        record.update(loss_scale=used, skipped=skipped)
+        if skipped:
+            self.guard.request_replay(SKIPPED, step)
+        for code, kwargs_ in state.history.observe(new, skipped):
+            self.guard.emit(code, op="GradScaler.update", location=location,
+                            step=step, **kwargs_)
 
     def on_step_end(self, step, record):
         record.setdefault("loss_scale", None)
         record.setdefault("skipped", False)
-        record.update(self._step_record)
-        self._step_record = {}
 
     def detach(self):
         super().detach()
@@ -438,14 +457,6 @@ class ScalerWatch(Monitor):
         self.update_listeners.clear()
         self.states.clear()
         self._last_root = None
-
-
-def _read_update(before: torch.Tensor, scale: torch.Tensor,
-                 found_inf: torch.Tensor) -> Tuple[float, float, float]:
-    """The scale used, the new scale and the found-inf count, with one host read."""
-    values = [before.float(), scale.float(), found_inf.float().to(scale.device)]
-    used, new, inf = torch.stack(values).tolist()
-    return used, new, inf
 
 
 def monitors(guard):

@@ -2,10 +2,13 @@
 
 Checked before the op: on the CPU ``masked_fill(mask, -1e9)`` on fp16 raises ("value
 cannot be converted ... without overflow"), elsewhere the value silently becomes inf.
-Infinite values are deliberate (``float("-inf")`` masks) and are not flagged.
+Infinite values are deliberate (``float("-inf")`` masks) and are not flagged. A tensor
+constant is read through the guard's readings (``readings.py``), without a host sync: judged
+when its copy arrives.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -13,20 +16,9 @@ import torch
 
 from flake8_amp.catalog import FP16_MAX
 
-from ..monitors import Monitor, OpHandler, argument
+from ..monitors import Monitor, OpHandler, argument, readable
 
 _T = torch.Tensor
-
-
-def _scalar(value: Any) -> Optional[float]:
-    """A Python number or a CPU 0-d tensor as float (reading a device tensor would sync)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu":
-        return value.item()
-    return None
 
 
 def _dtype(value: Any) -> Optional[torch.dtype]:
@@ -81,11 +73,28 @@ class Fp16OverflowLiteral(Monitor):
 
     def _check(self, func, args, kwargs) -> None:
         dtype, constant = FILLS[func](args, kwargs)
-        if dtype != torch.float16:
+        if dtype != torch.float16 or isinstance(constant, bool):
             return
-        value = _scalar(constant)
-        if value is not None and math.isfinite(value) and abs(value) > FP16_MAX:
-            self.guard.emit("AMP007", op=func, value=f"{value:g}", details={"value": value})
+        if isinstance(constant, (int, float)):
+            if _overflows(constant):
+                self.guard.emit("AMP007", op=func, value=f"{constant:g}",
+                                details={"value": float(constant)})
+        elif isinstance(constant, torch.Tensor) and constant.dim() == 0 and readable(constant):
+            # a tensor constant, on any device, is read through the guard's readings
+            judge = functools.partial(self._judge_tensor, func, self.guard.tracker.site())
+            self.guard.readings.submit([constant.detach()], judge)
+
+    def _judge_tensor(self, func, where, values, step) -> None:
+        value = values[0]
+        if _overflows(value):
+            module, location = where
+            self.guard.emit("AMP007", op=func, value=f"{value:g}", details={"value": value},
+                            module=module, location=location, step=step)
+
+
+def _overflows(value: float) -> bool:
+    """Finite and beyond fp16's range (an infinite fill is a deliberate mask)."""
+    return math.isfinite(value) and abs(value) > FP16_MAX
 
 
 def monitors(guard):

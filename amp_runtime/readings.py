@@ -1,0 +1,217 @@
+"""The guard's one path from device values to host numbers: deferred, counted readings.
+
+A monitor never reads a tensor itself (on a GPU every ``.item()``, ``.tolist()`` or ``.cpu()`` in
+a training step is a host sync). It ``submit``s small tensors computed on the device (the loss,
+gradient norms, the GradScaler's state, AMP106's counts, per-op peaks while tracing) together
+with a judge. At a commit point (the optimizer step pre-hook, the step end) everything submitted
+is packed into one buffer per device and copied to the host with ``non_blocking=True`` (into
+pinned memory where the source is on an accelerator), and an event recorded behind the copy.
+``poll`` then judges, in submission order, every batch whose copy is known complete — the
+event's ``query()`` never waits — and calls each judge with the values and the step they were
+submitted in, so events carry the step in which the problem happened. On the CPU a copy is
+complete at once: a step's readings are judged at the commit, before the optimizer applies the
+step. On a GPU they are judged when the device has caught up, typically a step later.
+``flush`` waits for what is left, once: at guard exit and before the pytest plugin judges a test.
+``read_now`` reads at once, waiting: only for the replay of a failing step (``replay.py``), which
+runs once per anomaly episode and must judge its own trace before the optimizer goes on.
+
+The same code runs on every device, so the CPU test suite exercises what GPUs run, and
+``counts`` tells how many copies were started, how many batches were read once their copy was
+known complete (no sync) and how many had to be waited for (a host sync on a GPU).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+#: ``judge(values, step)``: the submitted tensors' values, flattened and concatenated in order,
+#: and the guard's step when they were submitted.
+Judge = Callable[[List[float], int], None]
+
+#: Submissions held before a commit is forced (a loop that never ends a step stays bounded).
+MAX_PENDING = 4096
+#: Batches in flight before the oldest is waited for (a device far behind the host).
+MAX_IN_FLIGHT = 64
+
+
+@dataclass
+class ReadCounts:
+    """What the readings cost so far."""
+
+    #: Device-to-host copies started (one per device and commit).
+    copies: int = 0
+    #: Batches judged (each once, after its copies were known complete).
+    reads: int = 0
+    #: Times the host waited for copies not known complete (a host sync on a GPU): at a flush,
+    #: or when too many batches are in flight. Never in a steady training step.
+    waits: int = 0
+
+
+class _Batch:
+    """One commit: the host copies (one per device), their completion events and the judges."""
+
+    __slots__ = ("copies", "entries", "after")
+
+    def __init__(self, copies, entries):
+        #: ``(host tensor, event or None)`` per device; None: complete at once (CPU).
+        self.copies: List[Tuple[torch.Tensor, Optional[torch.Event]]] = copies
+        #: ``(judge, step, spans)``, a span being ``(copy index, start, length)``.
+        self.entries: List[Tuple[Judge, int, List[Tuple[int, int, int]]]] = entries
+        #: Called once every entry has been judged (``Readings.after``).
+        self.after: List[Callable[[], None]] = []
+
+
+class Readings:
+    """Deferred device readings of one guard (see the module doc)."""
+
+    def __init__(self):
+        #: The guard's current step: submissions are judged with the step they were made in.
+        self.step = 0
+        self.counts = ReadCounts()
+        #: Called at the start of each commit; they may ``submit`` what they hold (per-op traces).
+        self.collectors: List[Callable[[], None]] = []
+        self._pending: List[Tuple[Judge, int, Sequence[torch.Tensor]]] = []
+        self._in_flight: Deque[_Batch] = deque()
+
+    def submit(self, tensors: Sequence[torch.Tensor], judge: Judge) -> None:
+        """Judge ``tensors`` (small, floating point, any devices) once they reach the host.
+
+        They are read as they are at the next commit: submit tensors nothing changes in place
+        before then (results of reductions, clones).
+        """
+        self._pending.append((judge, self.step, tensors))
+        if len(self._pending) >= MAX_PENDING:
+            self.commit()
+            self.poll()
+
+    def commit(self) -> None:
+        """Start the copy of everything submitted: one buffer and one copy per device."""
+        for collect in self.collectors:
+            collect()
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._in_flight.append(self._copy(pending))
+        if len(self._in_flight) > MAX_IN_FLIGHT:
+            oldest = self._in_flight.popleft()
+            self._wait(oldest)
+            self._read(oldest)
+
+    def read_now(self, tensors: Sequence[torch.Tensor]) -> List[float]:
+        """The values of ``tensors``, waiting for the device if need be: for a path that is rare
+        by design (the replay of a failing step, once per anomaly episode), never a training
+        step's. Counted like a batch flushed alone."""
+        values: List[float] = []
+        batch = self._copy([(lambda read, step: values.extend(read), self.step, tensors)])
+        if not self._complete(batch):
+            self._wait(batch)
+        self._read(batch)
+        return values
+
+    def poll(self) -> None:
+        """Judge, in order, every batch whose copy is known complete; never waits."""
+        in_flight = self._in_flight
+        while in_flight and self._complete(in_flight[0]):
+            self._read(in_flight.popleft())
+
+    def flush(self) -> None:
+        """Commit and judge everything, waiting (once) for the device if it has not caught up:
+        the newest copies are waited for first, and the older ones, queued before them on the
+        device, have arrived by then."""
+        self.commit()
+        for batch in reversed(self._in_flight):
+            if not self._complete(batch):
+                self._wait(batch)
+        while self._in_flight:
+            self._read(self._in_flight.popleft())
+
+    def after(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once everything committed so far has been judged."""
+        if self._in_flight:
+            self._in_flight[-1].after.append(callback)
+        else:
+            callback()
+
+    def clear(self) -> None:
+        """Forget everything not judged yet (the guard is leaving by an exception)."""
+        self._pending.clear()
+        self._in_flight.clear()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _copy(self, pending: List[Tuple[Judge, int, Sequence[torch.Tensor]]]) -> _Batch:
+        """Pack ``pending``'s tensors into one buffer per device and start their copies."""
+        slots: Dict[torch.device, int] = {}
+        parts: List[List[torch.Tensor]] = []
+        sizes: List[int] = []
+        entries = []
+        for judge, step, tensors in pending:
+            spans = []
+            for tensor in tensors:
+                slot = slots.get(tensor.device)
+                if slot is None:
+                    slot = slots[tensor.device] = len(parts)
+                    parts.append([])
+                    sizes.append(0)
+                flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+                parts[slot].append(flat)
+                size = flat.numel()
+                if spans and spans[-1][0] == slot:  # follows the previous one: one span
+                    spans[-1] = (slot, spans[-1][1], spans[-1][2] + size)
+                else:
+                    spans.append((slot, sizes[slot], size))
+                sizes[slot] += size
+            entries.append((judge, step, spans))
+        with torch._C.DisableTorchFunction():
+            copies = [self._start_copy(torch.cat(part)) for part in parts]
+        return _Batch(copies, entries)
+
+    def _start_copy(self, buffer: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Event]]:
+        """The one device-to-host transfer: non-blocking, into pinned memory from an accelerator
+        (``to`` allocates it), followed by an event; host memory is returned as it is."""
+        self.counts.copies += 1
+        host = buffer.to("cpu", non_blocking=True)
+        if buffer.device.type == "cpu":
+            return host, None
+        done = torch.Event(buffer.device)
+        done.record()
+        return host, done
+
+    def _complete(self, batch: _Batch) -> bool:
+        """Whether every copy of ``batch`` has arrived (a non-blocking query)."""
+        for _, done in batch.copies:
+            if done is not None and not done.query():
+                return False
+        return True
+
+    def _wait(self, batch: _Batch) -> None:
+        """Block until ``batch``'s copies have arrived: the one place the host waits."""
+        self.counts.waits += 1
+        for _, done in batch.copies:
+            if done is not None:
+                done.synchronize()
+
+    def _read(self, batch: _Batch) -> None:
+        """Judge ``batch``, whose copies have arrived. A judge that raises (GuardError under
+        policy="raise") does so once the whole batch is judged."""
+        self.counts.reads += 1
+        values = [host.tolist() for host, _ in batch.copies]
+        error = None
+        for judge, step, spans in batch.entries:
+            if len(spans) == 1:  # the usual case: all on one device
+                slot, start, length = spans[0]
+                read = values[slot][start:start + length]
+            else:
+                read = [v for slot, start, length in spans
+                        for v in values[slot][start:start + length]]
+            try:
+                judge(read, step)
+            except Exception as err:  # the first one is raised once the batch is done
+                error = error or err
+        for callback in batch.after:
+            callback()
+        if error is not None:
+            raise error
