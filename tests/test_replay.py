@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import amp_runtime
 from amp_runtime import GuardError
+from test_readings import LaggingReadings
 
 THIS_FILE = os.path.relpath(__file__)
 WIDTH = 16
@@ -235,6 +237,89 @@ def test_one_replay_per_anomaly_episode():
     assert [e.step for e in replayed(g)] == [5]
 
 
+# -- readings judged late (a GPU behind the host: issue 12's LaggingReadings) --------------------
+
+
+def lagging_guard(lag, **options):
+    """A recording guard whose device readings arrive ``lag`` commit points late."""
+    g = amp_runtime.guard(policy="record", **options)
+    g.readings = LaggingReadings(lag=lag)
+    return g
+
+
+def test_a_step_judged_late_is_replayed_when_its_grad_scaler_skipped_it():
+    options = dict(steps=10, scaler=True, bad_batch={5})
+    g = lagging_guard(lag=1)
+    judged_during = {}  # step -> the step running when its readings were judged
+    g.step_listeners.append(lambda step, record: judged_during.setdefault(step, g.step_index))
+    with g:
+        result = train(**options)
+    assert judged_during[5] == 6  # at step 6's optimizer step, before it is applied
+    (event,) = g.report.by_code("AMP101")
+    assert (event.step, event.module, event.source) == (5, "embed", EMBED_SOURCE)
+    assert event.details["replayed"] is True
+    (loss,) = g.report.by_code("AMP112")
+    assert loss.step == 5 and loss.details["replay"]["skipped"] is None
+    assert_same_run(train(**options), result)
+
+
+def test_a_step_judged_after_the_optimizer_applied_it_is_not_replayed_and_says_why():
+    options = dict(steps=8, weight_fault={5})  # no GradScaler: step 5 writes NaN into the weights
+    g = lagging_guard(lag=1)
+    with g:
+        result = train(**options)
+    assert not replayed(g)
+    why = "an optimizer step changed the parameters before it was judged"
+    loss = g.report.by_code("AMP112")[0]  # then at every step: the weights are NaN
+    assert loss.step == 5 and loss.details["replay"]["skipped"] == why
+    grads = g.report.by_code("AMP103")[0]
+    assert grads.step == 5 and grads.details["replay"]["skipped"] == why
+    assert "origin" not in grads.details  # no cause named on weights already changed
+    assert_same_run(train(**options), result)
+
+
+def test_policy_raise_names_the_replayed_op_when_judged_before_the_next_step_is_applied():
+    torch.manual_seed(0)
+    model = Net()
+    g = amp_runtime.guard(policy="raise")
+    g.readings = LaggingReadings(lag=1)
+    with pytest.raises(GuardError) as caught:
+        with g:
+            train(10, scaler=True, bad_batch={5}, model=model)
+    event = caught.value.event
+    assert (event.code, event.step, event.module) == ("AMP101", 5, "embed")
+    # raised at step 6's optimizer step, before it was applied: the weights of steps 0-5
+    _, unguarded = train(6, scaler=True, bad_batch={5})
+    assert_identical(list(model.state_dict().values()), list(unguarded.state_dict().values()))
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_a_steps_inputs_are_held_exactly_until_its_readings_are_judged(lag):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = lagging_guard(lag)
+    judged = set()
+    g.step_listeners.append(lambda step, record: judged.add(step))
+    batches = []  # a weak reference to each step's batch: alive while something holds it
+    with g:
+        for step in range(12):
+            x = torch.randn(8, WIDTH)
+            batches.append(weakref.ref(x))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            del x, loss
+            held = [s for s, batch in enumerate(batches) if batch() is not None]
+            assert held == [s for s in range(step + 1) if s not in judged], step
+            assert len(held) <= lag  # on the CPU (lag 0) none once the step ended
+    assert all(batch() is None for batch in batches)
+
+
 # -- item 2: a finite forward with non-finite gradients -------------------------------------
 
 
@@ -279,6 +364,15 @@ class WithOwnSqrt(nn.Module):
 
     def forward(self, x):
         return self.outer(SqrtWithOwnBackward.apply(self.inner(x).square()))
+
+
+def test_with_the_loss_check_off_a_live_trace_still_explains_the_gradients_of_its_step():
+    # the forward's ops are judged before the gradients even when no loss is checked
+    g, _ = guarded(steps=8, weight_fault={5}, guard_options=dict(
+        trace="always", ignore=["AMP112", "AMP010"]))
+    grads = g.report.by_code("AMP103")[0]
+    assert (grads.step, grads.module, grads.source) == (5, "blocks.2.fc2", FC2_SOURCE)
+    assert grads.details["origin"]["phase"] == "forward"
 
 
 def test_a_custom_autograd_function_is_named_by_its_node():
