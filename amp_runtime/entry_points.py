@@ -27,9 +27,6 @@ ENTRY_POINTS: Tuple[Tuple[Any, str], ...] = (
     (torch.autograd, "backward"),
     (torch.autograd, "grad"),
     (torch, "_foreach_norm"),
-    # GradScaler subclasses that override its methods run these kernels observed
-    (torch, "_amp_foreach_non_finite_check_and_unscale_"),
-    (torch, "_amp_update_scale_"),
 )
 
 #: The original functions: the keys under which monitors declare their handlers.

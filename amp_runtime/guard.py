@@ -18,6 +18,14 @@ Threads: the mode is per thread, so only ops of the thread that entered the guar
 checked; the global optimizer hooks ignore calls from other threads. Inside
 ``optimizer.step()`` the mode is off: the optimizer's many small ops are not forward
 computation and checking them would only cost time.
+
+Fail-safe: every entry into the guard's code runs through ``Guard.containment``
+(``containment.py``). A monitor that raises is switched off for the rest of the run, a failure
+of the guard's own core (this module) switches the whole guard off, and either is reported once
+as AMP100 guard-failure; the user's calls that the guard wraps run exactly once, and their own
+exceptions reach the user unchanged. ``policy="raise"`` raises for findings only.
+
+torch.compile: from the first compilation on, the mode stays off the stack (``compiled.py``).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import importlib
 import json
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
@@ -39,8 +48,12 @@ from torch.optim.optimizer import (
 
 from flake8_amp.catalog import RULES, SEVERITIES, matches, severity_rank
 
+from .compiled import stop_watching, watch_compilations
+from .containment import Component, Containment, describe, failure_details
 from .entry_points import observe_entry_points, stop_observing_entry_points
-from .events import Event, GuardError, Report
+from .events import (
+    GUARD_FAILURE, KEPT_OCCURRENCES, AmpRuntimeWarning, Event, EventGroup, GuardError, Report,
+)
 from .mode import GuardMode
 from .monitors import Monitor
 from .thresholds import Thresholds
@@ -66,9 +79,8 @@ MONITOR_MODULES = (
 
 StepListener = Callable[[int, Dict[str, Any]], None]
 
-
-class AmpRuntimeWarning(UserWarning):
-    """Category of the warnings a guard issues under ``policy="warn"``."""
+#: Seconds between two ``events.jsonl`` records of the totals of an event that keeps repeating.
+REPEATS_INTERVAL = 60.0
 
 
 _local = threading.local()
@@ -110,8 +122,11 @@ def _choice(value, allowed: Sequence[str], argument: str) -> str:
     return value
 
 
-class Guard:
-    """A runtime guard; use through ``amp_runtime.guard(...)`` as a context manager."""
+class Guard(Component):
+    """A runtime guard; use through ``amp_runtime.guard(...)`` as a context manager.
+
+    As a ``Component`` it is the guard's core: when that fails, the whole guard switches off.
+    """
 
     def __init__(
         self,
@@ -143,6 +158,8 @@ class Guard:
         self.tensorboard = tensorboard
 
         self.report = Report()
+        #: Every entry into the guard's code runs through it (``containment.py``).
+        self.containment = Containment(self._report_failure)
         #: Steps completed so far, i.e. the 0-based index of the current step.
         self.step_index = 0
         #: Called as ``listener(step, record)`` at each step end, after the monitors.
@@ -168,7 +185,11 @@ class Guard:
         self._observing_entry_points = False
         self._optimizer_hooks = []
         self._unobserved_optimizers = []
-        self._events_file = None
+        self._events_log: Optional[EventsLog] = None
+        self._watching_compilations = False
+        #: Compilations in progress in this thread (torch.compile), and whether any ran.
+        self._compiling = 0
+        self.compiled = False
         self._tracing = self.trace == "always"
         #: The code that turned tracing on under trace="auto" (None when it is off).
         self.tracing_reason: Optional[str] = None
@@ -212,6 +233,43 @@ class Guard:
         self.manual_steps = True
         self._end_step()
 
+    @property
+    def label(self) -> str:
+        return "guard"
+
+    def switch_off(self) -> None:
+        """The guard's core failed: stop every check; the user's code runs as without a guard."""
+        for monitor in self.monitors:
+            if monitor.failure is None:
+                monitor.failure = self.failure
+                self.drop_monitor(monitor)
+        if self._mode is not None:
+            self._mode.set_passthrough(True)
+        self._sync_mode()
+
+    def drop_monitor(self, monitor: Monitor) -> None:
+        """Switch a failed monitor off: remove its hooks and its handlers, skip its step work."""
+        try:
+            monitor.detach()
+        except Exception:  # what it could not remove it can no longer reach: it is failed
+            pass
+        self._flushes = [f for f in self._flushes if f.__self__ is not monitor]
+        self._step_ends = [f for f in self._step_ends if f.__self__ is not monitor]
+        self.step_listeners[:] = [listener for listener in self.step_listeners
+                                  if getattr(listener, "__self__", None) is not monitor]
+        if self._mode is not None:
+            self._mode.drop(monitor)
+        if monitor.essential and self.failure is None:  # the others cannot go on without it
+            self.failure = monitor.failure
+            self.switch_off()
+
+    def _report_failure(self, component: Component, error: BaseException) -> None:
+        """Containment's reporter: one AMP100 event for the part that failed."""
+        what = "the guard is" if self.failure is not None else "its checks are"
+        with self.unobserved():
+            self.emit(GUARD_FAILURE, component=component.label, error=describe(error), what=what,
+                      details=failure_details(component, error))
+
     def emit(
         self,
         code: str,
@@ -230,6 +288,8 @@ class Guard:
         ``raise_at`` raises GuardError here, i.e. inside the op that caused it.
         """
         if self.suspended or not self.enabled(code):
+            return None
+        if self.failure is not None and code != GUARD_FAILURE:
             return None
         op = op if op is None or isinstance(op, str) else op_name(op)
         event = Event.create(
@@ -270,8 +330,7 @@ class Guard:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
-                for flush in self._flushes:
-                    flush()
+                self.containment.notify(self._flushes, default=self)
         finally:
             self._uninstall()
 
@@ -280,27 +339,36 @@ class Guard:
     def _install(self) -> None:
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
-            events_path = os.path.join(self.log_dir, "events.jsonl")
-            self._events_file = open(events_path, "w", encoding="utf-8")
+            self._events_log = EventsLog(os.path.join(self.log_dir, "events.jsonl"))
+        contained = self.containment
         # The mode leaves before any other optimizer pre-hook runs and comes back after
         # every post-hook: the optimizer and the monitors' per-step work run unobserved.
-        self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._optimizer_step_starts))
+        self._optimizer_hooks.append(register_optimizer_step_pre_hook(
+            contained.wrap(self, self._optimizer_step_starts)))
         for monitor in self._build_monitors():
             self.monitors.append(monitor)
-            monitor.attach(self)
+            contained.call(monitor, monitor.attach, self)
+        working = [m for m in self.monitors if m.failure is None]
         # the step end calls only the monitors that do something there
-        self._flushes = _overridden(self.monitors, "flush")
-        self._step_ends = _overridden(self.monitors, "on_step_end")
+        self._flushes = _overridden(working, "flush")
+        self._step_ends = _overridden(working, "on_step_end")
+        handler_maps = [(m, contained.call(m, m.op_handlers) or {}) for m in working]
         self._mode = GuardMode(
-            (m.op_handlers() for m in self.monitors),
-            [m.trace_handler for m in self.monitors if m.trace_handler is not None],
-            frozenset().union(*(m.untraced for m in self.monitors)),
+            [(m, handlers) for m, handlers in handler_maps if m.failure is None],
+            [(m, m.trace_handler) for m in working if m.trace_handler is not None],
+            frozenset().union(*(m.untraced for m in working)),
+            contained.failed,
+            self,
         )
         self._mode.set_tracing(self._tracing)
+        self._look_for_modules()
         self._sync_mode()
         observe_entry_points(current_guard)
         self._observing_entry_points = True
-        self._optimizer_hooks.append(register_optimizer_step_post_hook(self._optimizer_step_ends))
+        watch_compilations(current_guard)
+        self._watching_compilations = True
+        self._optimizer_hooks.append(register_optimizer_step_post_hook(
+            contained.wrap(self, self._optimizer_step_ends)))
 
     def _uninstall(self) -> None:
         """Remove everything ``_install`` put in place, whatever state it reached."""
@@ -316,6 +384,9 @@ class Guard:
         if self._observing_entry_points:
             stop_observing_entry_points()
             self._observing_entry_points = False
+        if self._watching_compilations:
+            stop_watching()
+            self._watching_compilations = False
         if self._mode is not None:
             if self._mode_pushed and not self._mode.pop():
                 errors.append(RuntimeError(
@@ -324,14 +395,12 @@ class Guard:
             self._mode_pushed = self._in_optimizer = False
             self._mode = None
         for monitor in reversed(self.monitors):
-            try:
-                monitor.detach()
-            except Exception as err:  # keep removing the others' hooks
-                errors.append(err)
+            if monitor.failure is None:  # a failed one was detached when it failed
+                self.containment.call(monitor, monitor.detach)
         self.monitors, self._flushes, self._step_ends = [], [], []
-        if self._events_file is not None:
-            self._events_file.close()
-            self._events_file = None
+        if self._events_log is not None:
+            self.containment.call(self._events_log, self._events_log.close)
+            self._events_log = None
         stack = active_guards()
         if self in stack:
             stack.remove(self)
@@ -360,26 +429,52 @@ class Guard:
         mode = self._mode
         if mode is None or mode.dispatching:
             return
-        wanted = (self._watching and not self.suspended and not self._hidden
-                  and not self._in_optimizer)
-        if wanted and not self._mode_pushed:
-            self._mode_pushed = mode.push()
-        elif not wanted and self._mode_pushed and mode.pop():
-            # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
-            self._mode_pushed = False
+        try:
+            wanted = (self._watching and not self.suspended and not self._hidden
+                      and not self._in_optimizer and not self.compiled
+                      and self.failure is None)
+            if wanted and not self._mode_pushed:
+                self._mode_pushed = mode.push()
+            elif not wanted and self._mode_pushed and mode.pop():
+                # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
+                self._mode_pushed = False
+        except Exception as error:
+            self.containment.failed(self, error)
 
     def run_entry_point(self, original, args, kwargs):
         """An entry point (``entry_points.py``) was called in this guard's thread: run it
-        through the mode's handlers, with the mode off, as the mode runs a handled call."""
+        through the mode's handlers, with the mode off, as the mode runs a handled call (the
+        original once, the handlers contained)."""
         mode = self._mode
-        if (mode is None or self._hidden or self._in_optimizer or is_compiling()
+        if (mode is None or self._hidden or self._in_optimizer or self._compiling
+                or self.failure is not None or is_compiling()
                 or not torch._C._is_torch_function_enabled()):
             return original(*args, **kwargs)
         with self._unobserved:
             return mode.__torch_function__(original, (), args, kwargs)
 
+    def compilation_starts(self) -> None:
+        """torch.compile starts compiling in this thread (``compiled.py``): take the mode off the
+        stack before dynamo records it, for good, and step aside until it ends."""
+        with self.containment.guarding(self):
+            self._compiling += 1
+            for guard in active_guards():
+                guard.compiled = True
+                guard._sync_mode()
+            self.tracker.sight()  # the compiled model is running
+
+    def compilation_ends(self) -> None:
+        with self.containment.guarding(self):
+            self._compiling = max(0, self._compiling - 1)
+
+    def _look_for_modules(self) -> None:
+        """On the first watched steps, remember the root module the first op inside a module
+        runs in (one stack walk per op until one is found: ``tracking.py``)."""
+        if self._mode is not None and self.step_index < self.thresholds.watch_steps:
+            self._mode.look_for_modules(self.tracker.sight)
+
     def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
-        if self._mode is None or self._in_optimizer:
+        if self._mode is None or self._in_optimizer or self.failure is not None:
             return
         if threading.get_ident() == self._thread:
             self._in_optimizer = True
@@ -413,18 +508,17 @@ class Guard:
         return self._unobserved
 
     def _end_step(self) -> None:
-        with self.unobserved():
-            self._finish_step()
+        if self.failure is None:
+            with self.unobserved(), self.containment.guarding(self):
+                self._finish_step()
 
     def _finish_step(self) -> None:
         step = self.step_index
-        for flush in self._flushes:
-            flush()
+        notify = self.containment.notify
+        notify(self._flushes, default=self)
         record: Dict[str, Any] = {"step": step}
-        for on_step_end in self._step_ends:
-            on_step_end(step, record)
-        for listener in self.step_listeners:
-            listener(step, record)
+        notify(self._step_ends, step, record, default=self)
+        notify(self.step_listeners, step, record, default=self)
         self.step_index = step + 1
         self._quiet_steps += 1
         quiet = self._quiet_steps >= self.thresholds.auto_quiet_steps
@@ -436,6 +530,10 @@ class Guard:
         limits = self.thresholds
         self._watching = (self._tracing or self.step_index < limits.watch_steps
                           or self.step_index % limits.watch_every == 0)
+        if self._watching:
+            self._look_for_modules()
+        if self._events_log is not None:
+            self.containment.call(self._events_log, self._events_log.write_due)
         self._sync_mode()
 
     def _recorders(self) -> List["Guard"]:
@@ -444,16 +542,16 @@ class Guard:
         return stack[: stack.index(self) + 1] if self in stack else [self]
 
     def _record(self, event: Event) -> None:
-        self.report.add(event)
-        if self._events_file is not None:
-            # default=str: a monitor's detail that JSON cannot hold must not fail the op
-            self._events_file.write(json.dumps(event.to_json(), default=str) + "\n")
-            self._events_file.flush()
+        group = self.report.add(event)
+        if self._events_log is not None:
+            self.containment.call(self._events_log, self._events_log.write, event, group)
 
     def _apply_policy(self, event: Event) -> None:
-        if self.policy == "raise" and severity_rank(event.severity) <= severity_rank(self.raise_at):
+        failure = event.code == GUARD_FAILURE
+        ranked = severity_rank(event.severity) <= severity_rank(self.raise_at)
+        if self.policy == "raise" and ranked and not failure:
             raise GuardError(event)
-        if self.policy == "record":
+        if self.policy == "record" and not failure:
             return
         key = (event.code, event.source)
         if key in self._warned:
@@ -467,7 +565,8 @@ class Guard:
 
 
 class _Unobserved:
-    """``Guard.unobserved()``: keeps the mode off the stack while entered (re-entrant)."""
+    """``Guard.unobserved()``: keeps the mode off the stack while entered (re-entrant; it never
+    raises: ``_sync_mode`` contains its own failures)."""
 
     __slots__ = ("_guard",)
 
@@ -481,6 +580,68 @@ class _Unobserved:
     def __exit__(self, *exc_info) -> None:
         self._guard._hidden -= 1
         self._guard._sync_mode()
+
+
+class EventsLog(Component):
+    """``events.jsonl``: each event kept in full (``KEPT_OCCURRENCES`` per code and place) as one
+    line, and for one that keeps repeating a record of its totals (``EventGroup.repeats_record``)
+    when its count doubles, at most every ``REPEATS_INTERVAL`` seconds while it goes on, and at
+    exit. A full disk switches it off (AMP100); the events stay in ``guard.report``."""
+
+    label = "events.jsonl"
+
+    def __init__(self, path: str):
+        self._file = open(path, "w", encoding="utf-8")
+        #: Groups with occurrences not yet in a totals record: key -> (group, when last written).
+        self._unwritten: Dict[tuple, tuple] = {}
+        self._written_at: Dict[tuple, float] = {}
+
+    def write(self, event: Event, group: EventGroup) -> None:
+        if group.count <= KEPT_OCCURRENCES:
+            self._line(event.to_json())
+            return
+        now = time.monotonic()
+        key = group.key
+        last = self._written_at.get(key)
+        doubled = group.count & (group.count - 1) == 0
+        if doubled or last is None or now - last >= REPEATS_INTERVAL:
+            self._write_totals(group, now)
+        else:
+            self._unwritten[key] = group
+
+    def write_due(self) -> None:
+        """At a step end: the totals of the groups that stopped repeating a while ago."""
+        if not self._unwritten:
+            return
+        now = time.monotonic()
+        for key, group in list(self._unwritten.items()):
+            if now - self._written_at.get(key, 0.0) >= REPEATS_INTERVAL:
+                self._write_totals(group, now)
+
+    def _write_totals(self, group: EventGroup, now: float) -> None:
+        self._unwritten.pop(group.key, None)
+        self._written_at[group.key] = now
+        self._line(group.repeats_record())
+
+    def _line(self, record: Dict[str, Any]) -> None:
+        # default=str: a monitor's detail that JSON cannot hold must not fail the op
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        now = time.monotonic()
+        try:
+            for group in list(self._unwritten.values()):
+                self._write_totals(group, now)
+        finally:
+            self._file.close()
+
+    def switch_off(self) -> None:
+        self._unwritten.clear()
+        try:
+            self._file.close()
+        except OSError:  # a full disk fails the flush of the close too
+            pass
 
 
 def _overridden(monitors: List[Monitor], method: str) -> List[Callable]:

@@ -33,6 +33,7 @@ class StepDetector(Monitor):
     """Ends the guard's steps at scaler updates or optimizer steps."""
 
     codes = ()
+    essential = True  # without step ends, per-step state would pile up
 
     def __init__(self):
         super().__init__()
