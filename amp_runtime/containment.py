@@ -4,15 +4,17 @@ Every entry into guard code from torch or the user's code passes through one ``C
 (``guard.containment``): the mode's handlers (``mode.py``), the patched entry points and GradScaler
 methods, the hooks a monitor keeps (``Monitor.keep`` wraps them), the listeners, the step
 bookkeeping and the logs. An exception there switches its ``Component`` off for the rest of the
-run: a monitor (its hooks and handlers stop running), a log file, or the guard's core (then the
-whole guard). The training goes on with unchanged numerics, and the failure is reported once as
-AMP100 guard-failure, with the exception and its traceback in ``details``.
+run: a monitor (its handlers are dropped, its hooks do nothing until the guard removes them at
+exit), a log file, or the guard's core (then the whole guard). The training goes on with
+unchanged numerics, and the failure is reported once as AMP100 guard-failure, with the
+exception and its traceback in ``details``.
 
 Two kinds of exception pass through, because they are not failures: the findings themselves
 (``GuardError`` under ``policy="raise"``, ``AmpRuntimeWarning`` turned into an error by a warnings
 filter) and what is not an ``Exception`` (``KeyboardInterrupt``). Where the guard wraps a call of
-the user's (``GradScaler.step``, ``backward``, ``zero_grad``), the user's call runs exactly once
-outside any containment, so its own exceptions reach the user unchanged.
+the user's (``GradScaler.step``, ``backward``), ``Containment.around`` runs the user's call exactly
+once whatever the guard's code around it does, and the call's own exceptions reach the user
+unchanged.
 
 Torch-free, like ``events.py``.
 """
@@ -119,10 +121,53 @@ class Containment:
             owner = getattr(listener, "__self__", None)
             self.call(owner if isinstance(owner, Component) else default, listener, *args)
 
+    def around(self, component: Component, original: Callable[..., Any], args: tuple,
+               kwargs: dict, run: Callable[..., Any]) -> Any:
+        """A call of the user's ``original`` through the guard's code ``run(call, args, kwargs)``,
+        which calls ``call`` (``original`` itself is ``call.original``) once and returns its
+        result: whatever ``run`` does,
+        ``original`` runs exactly once, its result is returned and its exceptions propagate
+        unchanged, while ``run``'s own failures switch ``component`` off."""
+        if component.failure is not None:
+            return original(*args, **kwargs)
+        call = _Once(original)
+        try:
+            return run(call, args, kwargs)
+        except FINDINGS:
+            raise
+        except Exception as error:
+            if call.error is not None:  # the user's own exception
+                if error is call.error:
+                    raise
+                raise call.error
+            self.failed(component, error)
+        if call.returned:
+            return call.result
+        return original(*args, **kwargs)  # the guard failed before the call
+
     def guarding(self, component: Component) -> "_Guarding":
         """``with containment.guarding(component):`` a block whose exceptions (but findings)
         switch ``component`` off instead of leaving the block."""
         return _Guarding(self, component)
+
+
+class _Once:
+    """The user's call inside ``Containment.around``: remembers whether it ran and how it ended."""
+
+    __slots__ = ("original", "returned", "result", "error")
+
+    def __init__(self, original: Callable[..., Any]):
+        self.original = original
+        self.returned, self.result, self.error = False, None, None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self.result = self.original(*args, **kwargs)
+        except BaseException as error:
+            self.error = error
+            raise
+        self.returned = True
+        return self.result
 
 
 class _Guarding:

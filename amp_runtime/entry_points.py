@@ -73,7 +73,8 @@ def _observed(original: Callable) -> Callable:
         guard = _current_guard()
         if guard is None:  # another thread, or no guard
             return original(*args, **kwargs)
-        return guard.run_entry_point(original, args, kwargs)
+        # the original runs once whatever the guard's code does around it
+        return guard.containment.around(guard, original, args, kwargs, guard.run_entry_point)
 
     return observed
 

@@ -245,14 +245,13 @@ class Guard(Component):
                 self.drop_monitor(monitor)
         if self._mode is not None:
             self._mode.set_passthrough(True)
-        self._sync_mode()
+            if self._mode_pushed and self._mode.pop():
+                self._mode_pushed = False
 
     def drop_monitor(self, monitor: Monitor) -> None:
-        """Switch a failed monitor off: remove its hooks and its handlers, skip its step work."""
-        try:
-            monitor.detach()
-        except Exception:  # what it could not remove it can no longer reach: it is failed
-            pass
+        """Switch a failed monitor off: drop its handlers and its step work. Its hooks do nothing
+        from now on (``Containment.wrap``) and are removed at exit: torch may be iterating over
+        them right now (a failure inside an optimizer hook), and removing one then would fail."""
         self._flushes = [f for f in self._flushes if f.__self__ is not monitor]
         self._step_ends = [f for f in self._step_ends if f.__self__ is not monitor]
         self.step_listeners[:] = [listener for listener in self.step_listeners
@@ -337,15 +336,23 @@ class Guard(Component):
     # -- internals --------------------------------------------------------------------
 
     def _install(self) -> None:
+        # What the user configured fails here with a clear error (a log folder that cannot be
+        # written, a tensorboard argument), before anything is installed and nothing is lost.
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
             self._events_log = EventsLog(os.path.join(self.log_dir, "events.jsonl"))
+        monitors = self._build_monitors()
+        # A failure of the guard's own code from here on leaves the block running unguarded.
+        with self.containment.guarding(self):
+            self._install_checks(monitors)
+
+    def _install_checks(self, monitors: List[Monitor]) -> None:
         contained = self.containment
         # The mode leaves before any other optimizer pre-hook runs and comes back after
         # every post-hook: the optimizer and the monitors' per-step work run unobserved.
         self._optimizer_hooks.append(register_optimizer_step_pre_hook(
             contained.wrap(self, self._optimizer_step_starts)))
-        for monitor in self._build_monitors():
+        for monitor in monitors:
             self.monitors.append(monitor)
             contained.call(monitor, monitor.attach, self)
         working = [m for m in self.monitors if m.failure is None]
@@ -361,7 +368,6 @@ class Guard(Component):
             self,
         )
         self._mode.set_tracing(self._tracing)
-        self._look_for_modules()
         self._sync_mode()
         observe_entry_points(current_guard)
         self._observing_entry_points = True
@@ -369,6 +375,7 @@ class Guard(Component):
         self._watching_compilations = True
         self._optimizer_hooks.append(register_optimizer_step_post_hook(
             contained.wrap(self, self._optimizer_step_ends)))
+        self._look_for_modules()
 
     def _uninstall(self) -> None:
         """Remove everything ``_install`` put in place, whatever state it reached."""
@@ -395,8 +402,13 @@ class Guard(Component):
             self._mode_pushed = self._in_optimizer = False
             self._mode = None
         for monitor in reversed(self.monitors):
-            if monitor.failure is None:  # a failed one was detached when it failed
+            if monitor.failure is None:
                 self.containment.call(monitor, monitor.detach)
+            else:  # reported already: remove what it installed, as far as it still can
+                try:
+                    monitor.detach()
+                except Exception:
+                    pass
         self.monitors, self._flushes, self._step_ends = [], [], []
         if self._events_log is not None:
             self.containment.call(self._events_log, self._events_log.close)
@@ -429,29 +441,25 @@ class Guard(Component):
         mode = self._mode
         if mode is None or mode.dispatching:
             return
-        try:
-            wanted = (self._watching and not self.suspended and not self._hidden
-                      and not self._in_optimizer and not self.compiled
-                      and self.failure is None)
-            if wanted and not self._mode_pushed:
-                self._mode_pushed = mode.push()
-            elif not wanted and self._mode_pushed and mode.pop():
-                # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
-                self._mode_pushed = False
-        except Exception as error:
-            self.containment.failed(self, error)
+        wanted = (self._watching and not self.suspended and not self._hidden
+                  and not self._in_optimizer and not self.compiled and self.failure is None)
+        if wanted and not self._mode_pushed:
+            self._mode_pushed = mode.push()
+        elif not wanted and self._mode_pushed and mode.pop():
+            # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
+            self._mode_pushed = False
 
-    def run_entry_point(self, original, args, kwargs):
+    def run_entry_point(self, call, args, kwargs):
         """An entry point (``entry_points.py``) was called in this guard's thread: run it
-        through the mode's handlers, with the mode off, as the mode runs a handled call (the
-        original once, the handlers contained)."""
+        through the mode's handlers, with the mode off, as the mode runs a handled call.
+        ``call`` calls the original (``call.original``) once (``Containment.around``)."""
         mode = self._mode
         if (mode is None or self._hidden or self._in_optimizer or self._compiling
                 or self.failure is not None or is_compiling()
                 or not torch._C._is_torch_function_enabled()):
-            return original(*args, **kwargs)
+            return call(*args, **kwargs)
         with self._unobserved:
-            return mode.__torch_function__(original, (), args, kwargs)
+            return mode.dispatch(call.original, call, args, kwargs)
 
     def compilation_starts(self) -> None:
         """torch.compile starts compiling in this thread (``compiled.py``): take the mode off the
@@ -551,7 +559,7 @@ class Guard(Component):
         ranked = severity_rank(event.severity) <= severity_rank(self.raise_at)
         if self.policy == "raise" and ranked and not failure:
             raise GuardError(event)
-        if self.policy == "record" and not failure:
+        if self.policy == "record":
             return
         key = (event.code, event.source)
         if key in self._warned:
@@ -565,21 +573,28 @@ class Guard(Component):
 
 
 class _Unobserved:
-    """``Guard.unobserved()``: keeps the mode off the stack while entered (re-entrant; it never
-    raises: ``_sync_mode`` contains its own failures)."""
+    """``Guard.unobserved()``: keeps the mode off the stack while entered (re-entrant). It wraps
+    the user's calls too (``zero_grad``, GradScaler's methods, backward): it never raises."""
 
-    __slots__ = ("_guard",)
+    __slots__ = ("_guard", "_contained")
 
     def __init__(self, guard: Guard):
         self._guard = guard
+        self._contained = guard.containment.guarding(guard)
 
     def __enter__(self) -> None:
-        self._guard._hidden += 1
-        self._guard._sync_mode()
+        guard = self._guard
+        guard._hidden += 1
+        if guard.failure is None:
+            with self._contained:
+                guard._sync_mode()
 
     def __exit__(self, *exc_info) -> None:
-        self._guard._hidden -= 1
-        self._guard._sync_mode()
+        guard = self._guard
+        guard._hidden -= 1
+        if guard.failure is None:
+            with self._contained:
+                guard._sync_mode()
 
 
 class EventsLog(Component):
@@ -671,10 +686,10 @@ def guard(
     """Run AMP checks over the ``with`` block; see DESIGN.md section 4.
 
     ``policy``: "warn" (one warning per code and source line), "raise" (GuardError at the
-    first event at or above ``raise_at``) or "record". ``select``/``ignore``: code
-    prefixes. ``trace``: "off" (cheap checks only), "always" (per-op checks) or "auto"
-    (cheap until an anomaly, then per-op until ``thresholds.auto_quiet_steps`` quiet
-    steps). ``log_dir``: write ``events.jsonl`` (and the monitors' logs) there.
-    ``model``: names modules in reports.
+    first event at or above ``raise_at``; a failure of the guard's own code, AMP100, only warns)
+    or "record". ``select``/``ignore``: code prefixes. ``trace``: "off" (cheap checks only),
+    "always" (per-op checks) or "auto" (cheap until an anomaly, then per-op until
+    ``thresholds.auto_quiet_steps`` quiet steps). ``log_dir``: write ``events.jsonl`` (and the
+    monitors' logs) there. ``model``: names modules in reports.
     """
     return Guard(policy, select, ignore, trace, thresholds, log_dir, model, tensorboard, raise_at)

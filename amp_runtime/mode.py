@@ -44,9 +44,10 @@ def _entry(mode: "GuardMode", befores: Sequence[Tuple[Component, Before]],
     """One closure running the op between its handlers, each contained as part of its owner."""
     befores, afters, failed = tuple(befores), tuple(afters), mode.failed
 
-    def run(func, args, kwargs):
+    def run(func, args, kwargs, call=None):
+        call = call or func  # ``dispatch`` calls the function through a wrapper of its own
         if is_compiling():  # torch.compile traces this mode: stay out of its graph
-            return func(*args, **kwargs)
+            return call(*args, **kwargs)
         mode.dispatching += 1
         try:
             lost = False
@@ -58,7 +59,7 @@ def _entry(mode: "GuardMode", befores: Sequence[Tuple[Component, Before]],
                 except Exception as error:
                     failed(owner, error)
                     lost = True
-            out = func(*args, **kwargs)
+            out = call(*args, **kwargs)
             for owner, after in afters:
                 if lost and owner.failure is not None:  # its before failed in this very call
                     continue
@@ -79,7 +80,7 @@ def _sighting(mode: "GuardMode") -> Entry:
     """The default entry while the guard looks for root modules: ``mode.sight()`` before the op
     (contained as part of the guard's core, ``mode.core``) until it reports a find."""
 
-    def run(func, args, kwargs):
+    def run(func, args, kwargs, call=None):
         if not is_compiling():
             try:
                 found = mode.sight()
@@ -91,8 +92,8 @@ def _sighting(mode: "GuardMode") -> Entry:
                 mode._refresh()
         fallback = mode._plain_default
         if fallback is not None:
-            return fallback(func, args, kwargs)
-        return func(*args, **kwargs)
+            return fallback(func, args, kwargs, call)
+        return (call or func)(*args, **kwargs)
 
     return run
 
@@ -199,6 +200,14 @@ class GuardMode(TorchFunctionMode):
         _pop_mode()
         self._left_at = (len(stack) - 1, stack[-2] if len(stack) > 1 else None)
         return True
+
+    def dispatch(self, func, call, args, kwargs):
+        """Run ``func``'s handlers around ``call(*args, **kwargs)`` as for a call of ``func``
+        (the entry points: ``call`` is the original function, run exactly once)."""
+        entry = self._table.get(func, self._default)
+        if entry is None:
+            return call(*args, **kwargs)
+        return entry(func, args, kwargs, call)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         entry = self._table.get(func, self._default)

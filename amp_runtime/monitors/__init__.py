@@ -60,7 +60,7 @@ class Monitor(Component):
         self._handles.append(handle)
 
     def switch_off(self) -> None:
-        """The monitor failed: the guard detaches it and drops its handlers."""
+        """The monitor failed: the guard drops its handlers; its hooks do nothing from now on."""
         self.guard.drop_monitor(self)
 
     def op_handlers(self) -> Dict[Any, OpHandler]:

@@ -27,7 +27,7 @@ import functools
 import sys
 import threading
 import weakref
-from collections import Counter, deque
+from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
@@ -168,12 +168,16 @@ def _watch_for(scaler: GradScaler) -> Optional["ScalerWatch"]:
 
 
 def _watched(name: str, original: Callable) -> Callable:
+    run = functools.partial(ScalerWatch.run_scaler_method, name=name)
+
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         watch = _watch_for(self)
         if watch is None:
             return original(self, *args, **kwargs)
-        return watch.run_scaler_method(name, original, self, args, kwargs)
+        # the user's call runs once whatever the watch does around it
+        return watch.guard.containment.around(watch, original, (self, *args), kwargs,
+                                              functools.partial(run, watch))
 
     method.__amp_runtime_original__ = original
     return method
@@ -280,11 +284,12 @@ class ScalerState:
 class ScalerWatch(Monitor):
     """Finds the GradScalers a loop uses, follows their state, judges the scale at each update.
 
-    Always attached (the scaler rules and step detection rely on it); its own findings are
-    AMP107-AMP109.
+    Always attached (the scaler rules, the gradient checks and step detection rely on it: its
+    failure switches the guard off); its own findings are AMP107-AMP109.
     """
 
     codes = ()
+    essential = True
 
     def __init__(self):
         super().__init__()
@@ -299,7 +304,7 @@ class ScalerWatch(Monitor):
         #: How many enabled ``GradScaler.step`` calls are running.
         self.stepping = 0
         #: Watched methods running, by name: a ``super()`` call inside one runs unwatched.
-        self._running: Counter = Counter()
+        self._running: Dict[str, int] = {}
         self._patched = False
 
     def attach(self, guard):
@@ -354,34 +359,38 @@ class ScalerWatch(Monitor):
 
     # -- GradScaler's methods, run unobserved -------------------------------------------
 
-    def run_scaler_method(self, name, original, scaler, args, kwargs):
-        """Run ``original`` (the scaler's method ``name``) once, without the mode, between the
-        watch's own work before and after it, which runs contained."""
-        if self.failure is not None or self._running[name]:
-            return original(scaler, *args, **kwargs)
-        guard = self.guard
-        contained = guard.containment
-        enabled = contained.call(self, _is_enabled, scaler)
-        before = contained.call(self, self._before, name, scaler, args, kwargs) if enabled else None
-        stepping = bool(enabled) and name == "step"
-        self._running[name] += 1
+    def run_scaler_method(self, call, args, kwargs, name):
+        """Run the scaler's method ``name`` (``call``, once: ``Containment.around``) without the
+        mode, between the watch's own work before and after it, which runs contained."""
+        if self._running.get(name):  # a subclass's method calling super()'s
+            return call(*args, **kwargs)
+        scaler, method_args = args[0], args[1:]
+        contained = self.guard.containment
+        # (enabled, what the result is judged against), or None if the watch failed
+        before = contained.call(self, self._before, name, scaler, method_args, kwargs)
+        enabled = before is not None and before[0]
+        stepping = enabled and name == "step"
+        self._running[name] = 1
         self.stepping += stepping
         try:
-            with guard.unobserved():
-                out = original(scaler, *args, **kwargs)
+            with self.guard.unobserved():
+                out = call(*args, **kwargs)
         finally:
-            self._running[name] -= 1
+            self._running[name] = 0
             self.stepping -= stepping
         if enabled:
-            contained.call(self, self._after, name, scaler, args, kwargs, before)
+            contained.call(self, self._after, name, scaler, method_args, kwargs, before[1])
         return out
 
-    def _before(self, name, scaler, args, kwargs):
-        """What the method's result is judged against: for ``update``, what it reads."""
+    def _before(self, name, scaler, args, kwargs) -> Tuple[bool, Any]:
+        """Whether the scaler is enabled (a disabled one is left alone), and for ``update`` what
+        it reads."""
+        if not scaler.is_enabled():
+            return False, None
         if name == "update":
             new_scale = args[0] if args else kwargs.get("new_scale")
-            return self._update_starts(scaler, new_scale)
-        return None
+            return True, self._update_starts(scaler, new_scale)
+        return True, None
 
     def _after(self, name, scaler, args, kwargs, before) -> None:
         if name == "scale":
@@ -452,10 +461,6 @@ class ScalerWatch(Monitor):
         self.states.clear()
         self.stepping = 0
         self._last_root = None
-
-
-def _is_enabled(scaler: GradScaler) -> bool:
-    return scaler.is_enabled()
 
 
 def _read_update(before: torch.Tensor, scale: torch.Tensor,
