@@ -14,6 +14,7 @@ compiled module, without ``_orig_mod``.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import weakref
@@ -37,11 +38,18 @@ def user_frame():
 
 def format_source(filename: str, lineno: int) -> str:
     """``file:line``, relative to the working directory when the file is below it."""
+    return f"{_shown_path(filename, os.getcwd())}:{lineno}"
+
+
+@functools.lru_cache(maxsize=256)
+def _shown_path(filename: str, cwd: str) -> str:
+    """``filename`` relative to ``cwd`` when it is below it (cached: an event that repeats at
+    every step names the same few files)."""
     try:
-        relative = os.path.relpath(filename)
+        relative = os.path.relpath(filename, cwd)
     except ValueError:  # another drive on Windows
-        relative = filename
-    return f"{filename if relative.startswith('..') else relative}:{lineno}"
+        return filename
+    return filename if relative.startswith("..") else relative
 
 
 def user_source() -> Optional[str]:

@@ -162,3 +162,44 @@ def test_bad_allow():
         "*amp_guard (marker or amp_guard_* ini options): *sometimes*",
         "*: allow= takes AMP codes as strings, got 101",
     ])
+
+
+def test_a_failure_of_the_guard_itself_does_not_fail_the_test(pytester):
+    """AMP100 says a check of the guard broke and was switched off: not the test's fault."""
+    pytester.makepyfile(test_guard_bug="""
+import pytest
+import torch
+from amp_runtime.rules.amp008 import BackwardUnderAutocast
+
+def broken_check(self, func, args, kwargs):
+    raise ValueError("a bug in the check")
+
+@pytest.fixture
+def broken(monkeypatch):
+    monkeypatch.setattr(BackwardUnderAutocast, "_check", broken_check)
+
+def test_step(broken, amp_guard):
+    model = torch.nn.Linear(8, 2)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    assert [e.code for e in amp_guard.report.events] == ["AMP100"]
+""")
+    result = _run(pytester, "-rP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*AMP100*P2*BackwardUnderAutocast failed (ValueError*"])
+
+
+def test_a_repeated_event_fails_the_test_once_with_its_exact_count(pytester):
+    pytester.makepyfile(test_repeated="""
+import torch
+
+def test_steps(amp_guard):
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(30):
+        (model(torch.randn(4, 8)).sum() * float("nan")).backward()
+        optimizer.zero_grad()
+""")
+    result = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["amp_guard: AMP112 not allowed (30 event(s))",
+                                 "AMP112*P0*30*0*backward*"])
