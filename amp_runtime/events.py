@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from flake8_amp.catalog import rule, severity_rank
 
-#: Version tag of ``Report.to_json()`` and of each ``events.jsonl`` line.
+#: Version tag of ``Report.to_json()`` (2: events kept, exact counts and groups; the log holds
+#: totals records for repeated events, ``REPEATS``).
 SCHEMA = "amp_runtime.events/2"
 
 
