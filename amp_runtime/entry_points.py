@@ -71,7 +71,7 @@ def _observed(original: Callable) -> Callable:
     @functools.wraps(original)
     def observed(*args, **kwargs):
         guard = _current_guard()
-        if guard is None:  # another thread, or no guard
+        if guard is None or guard.passes_entry_points():  # another thread, no guard, or its own
             return original(*args, **kwargs)
         # the original runs once whatever the guard's code does around it
         return guard.containment.around(guard, original, args, kwargs, guard.run_entry_point)

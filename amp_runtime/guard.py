@@ -449,13 +449,18 @@ class Guard(Component):
             # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
             self._mode_pushed = False
 
+    def passes_entry_points(self) -> bool:
+        """Whether an entry point called now runs as it is: inside the guard's own work, the
+        optimizer's step, a compilation, or once the guard is off."""
+        return bool(self._hidden or self._in_optimizer or self._compiling
+                    or self.failure is not None)
+
     def run_entry_point(self, call, args, kwargs):
         """An entry point (``entry_points.py``) was called in this guard's thread: run it
         through the mode's handlers, with the mode off, as the mode runs a handled call.
         ``call`` calls the original (``call.original``) once (``Containment.around``)."""
         mode = self._mode
-        if (mode is None or self._hidden or self._in_optimizer or self._compiling
-                or self.failure is not None or is_compiling()
+        if (mode is None or self.passes_entry_points() or is_compiling()
                 or not torch._C._is_torch_function_enabled()):
             return call(*args, **kwargs)
         with self._unobserved:
@@ -585,15 +590,15 @@ class _Unobserved:
     def __enter__(self) -> None:
         guard = self._guard
         guard._hidden += 1
-        if guard.failure is None:
+        if guard._mode_pushed and guard.failure is None:  # else nothing to take off the stack
             with self._contained:
                 guard._sync_mode()
 
     def __exit__(self, *exc_info) -> None:
         guard = self._guard
         guard._hidden -= 1
-        if guard.failure is None:
-            with self._contained:
+        if not guard._hidden and guard._watching and guard.failure is None:
+            with self._contained:  # back on the stack, if the step is watched
                 guard._sync_mode()
 
 

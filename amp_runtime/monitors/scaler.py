@@ -168,8 +168,6 @@ def _watch_for(scaler: GradScaler) -> Optional["ScalerWatch"]:
 
 
 def _watched(name: str, original: Callable) -> Callable:
-    run = functools.partial(ScalerWatch.run_scaler_method, name=name)
-
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         watch = _watch_for(self)
@@ -177,7 +175,7 @@ def _watched(name: str, original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         # the user's call runs once whatever the watch does around it
         return watch.guard.containment.around(watch, original, (self, *args), kwargs,
-                                              functools.partial(run, watch))
+                                              watch.runners[name])
 
     method.__amp_runtime_original__ = original
     return method
@@ -305,6 +303,9 @@ class ScalerWatch(Monitor):
         self.stepping = 0
         #: Watched methods running, by name: a ``super()`` call inside one runs unwatched.
         self._running: Dict[str, int] = {}
+        #: ``run_scaler_method`` for each watched method, as ``Containment.around`` calls it.
+        self.runners = {name: functools.partial(self.run_scaler_method, name=name)
+                        for name in WATCHED_METHODS}
         self._patched = False
 
     def attach(self, guard):
