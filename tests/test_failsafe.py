@@ -34,6 +34,7 @@ from amp_runtime.steps import StepDetector
 from amp_runtime.tensorboard import TensorBoardWriter
 
 from test_guard import global_hook_counts
+from test_scaler_kinds import scaled_update
 
 STEPS = 12
 
@@ -68,12 +69,7 @@ def train(steps=STEPS):
         # fp32 outside autocast: AMP002's and AMP003's handlers look, nothing to report
         loss = loss + 0.1 * F.binary_cross_entropy(torch.sigmoid(logits.float()),
                                                    F.one_hot(y, 4).float())
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        scaled_update(model, optimizer, scaler, loss)
         losses.append(loss.detach().mean())  # a reduction: AMP004's handler looks
     return losses, {name: value.clone() for name, value in model.state_dict().items()}
 

@@ -26,6 +26,17 @@ def make_model(seed=0):
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
 
 
+def scaled_update(model, optimizer, scaler, loss):
+    """The end of nanoGPT's iteration, unconditional whatever the scaler: scale and backward,
+    unscale_, clip, step, update, zero_grad."""
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def nanogpt_loop(model, optimizer, scaler, steps, dtype, blow_up=1.0, inject_nan_at=None):
     """nanoGPT's scaler calls, unconditional whatever the scaler: scale, unscale_, clip, step,
     update."""
@@ -38,12 +49,7 @@ def nanogpt_loop(model, optimizer, scaler, steps, dtype, blow_up=1.0, inject_nan
             loss = F.mse_loss(model(x).float(), y) * blow_up
         if step == inject_nan_at:
             loss = loss * float("nan")
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        scaled_update(model, optimizer, scaler, loss)
         losses.append(loss.item())
     return losses
 
