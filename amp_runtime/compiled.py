@@ -72,8 +72,11 @@ _ORIGINAL_COMPILE = torch.compile
 
 @functools.wraps(_ORIGINAL_COMPILE)
 def _compile(*args, **kwargs):
-    _register()  # torch.compile has imported dynamo: the callbacks can go on its lists now
-    return _ORIGINAL_COMPILE(*args, **kwargs)
+    compiled = _ORIGINAL_COMPILE(*args, **kwargs)  # compiles lazily, at the first call
+    guard = _current_guard()
+    if guard is not None:  # dynamo is loaded now: the callbacks can go on its lists
+        guard.containment.call(guard, _register)
+    return compiled
 
 
 _COMPILE_PATCH = SharedPatch([(torch, "compile", _compile)])

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._dynamo.utils import counters
 
 import amp_runtime
 
@@ -45,7 +44,13 @@ def guard_without_heap_walks():
     gc.get_objects = get_objects
 
 
+def reset_compilation():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
 def compiled_counts():
+    counters = torch._dynamo.utils.counters
     return {"graphs": counters["stats"]["unique_graphs"],
             "recompiles": sum(counters["recompiles"].values())}
 
@@ -61,8 +66,7 @@ def nanogpt(backend):
     script = load_nanogpt()
     runs = []
     for guarded in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
+        reset_compilation()
         out = tempfile.mkdtemp()
         argv = ["--compile", "--compile-backend", backend, "--cpu-autocast", "--dtype", "bfloat16",
                 "--max-iters", "6", "--eval-interval", "3", "--out-dir", out]
@@ -91,8 +95,7 @@ class Net(nn.Module):
 def faulty(backend, dtype, scaled, blow_up, nan_at, steps=10):
     """A compiled model whose loss turns NaN at step ``nan_at`` or is multiplied by ``blow_up``;
     the compilation counts after the first two steps and at the end."""
-    torch._dynamo.reset()
-    counters.clear()
+    reset_compilation()
     torch.manual_seed(0)
     model = torch.compile(Net(), backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -157,7 +160,24 @@ def compiler_work(backend):
     return {"events": events_of(g)}
 
 
-SCENARIOS = {"nanogpt": nanogpt, "faults": faults, "compiler_work": compiler_work}
+def compiled_inside_the_guard(backend):
+    """``python -m amp_runtime run`` enters the guard before the script imports anything of
+    dynamo: ``torch.compile`` called inside the guard must still let it follow compilations."""
+    model = Net()
+    with amp_runtime.guard(policy="record") as g:
+        loaded_before = "torch._dynamo" in sys.modules  # (building an optimizer loads it)
+        compiled = torch.compile(model, backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(g.thresholds.watch_steps + 4):  # watched steps, then unwatched ones
+            compiled(torch.randn(4, 16)).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"dynamo_loaded_before": loaded_before, "counts": compiled_counts(),
+            "events": events_of(g), "steps": g.step_index}
+
+
+SCENARIOS = {"nanogpt": nanogpt, "faults": faults, "compiler_work": compiler_work,
+             "compiled_inside_the_guard": compiled_inside_the_guard}
 
 if __name__ == "__main__":
     scenario, backend = sys.argv[1:3]

@@ -66,3 +66,12 @@ def test_what_the_compiler_runs_while_compiling_is_not_judged(tmp_path):
     """A compiler tracing autograd under autocast (here a backward compiler, run lazily at the
     first backward) is not the user's backward inside an autocast region: no false AMP008."""
     assert compiled_run("compiler_work", "aot_eager", tmp_path)["events"] == []
+
+
+def test_torch_compile_called_inside_the_guard_compiles_once(tmp_path):
+    """Dynamo not loaded when the guard is entered (``python -m amp_runtime run``): the guard
+    learns of compilations through ``torch.compile`` and the model compiles once."""
+    result = compiled_run("compiled_inside_the_guard", "aot_eager", tmp_path)
+    assert result["dynamo_loaded_before"] is False
+    assert result["counts"] == {"graphs": 1, "recompiles": 0}
+    assert result["events"] == [] and result["steps"] == 12
