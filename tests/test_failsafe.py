@@ -7,6 +7,7 @@ The user's own calls run exactly once whatever the guard does around them, and t
 they raise reach the user unchanged.
 """
 import os
+import sys
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 import amp_runtime
 from amp_runtime.guard import Guard
+from amp_runtime.monitors import Monitor
 from amp_runtime.metrics import MetricsLog
 from amp_runtime.monitors.forward import ForwardMonitor
 from amp_runtime.monitors.grads import GradHealth, OptimizerEpsilon
@@ -334,3 +336,35 @@ def test_the_users_own_errors_reach_the_user_unchanged():
             assert raised_by(call) == expected
         assert [e.code for e in g.report.events if e.code == "AMP100"] == []
         scaler = torch.amp.GradScaler("cpu")
+
+
+class HookMonitor(Monitor):
+    """A monitor as another lane would write one: a global module forward hook, kept."""
+
+    calls = []
+
+    def attach(self, guard):
+        super().attach(guard)
+        self.keep(torch.nn.modules.module.register_module_forward_hook(self._forward_ran))
+
+    def _forward_ran(self, module, args, output):
+        HookMonitor.calls.append(module)
+        raise ValueError("a bug in a new hook")
+
+
+def monitors(guard):
+    """This module as one of the guard's MONITOR_MODULES (``test_hooks_kept_...``)."""
+    return [HookMonitor()]
+
+
+def test_hooks_kept_by_any_monitor_are_contained(monkeypatch, tmp_path, unguarded):
+    guard_module = sys.modules["amp_runtime.guard"]
+    monkeypatch.setattr(guard_module, "MONITOR_MODULES", (*guard_module.MONITOR_MODULES, __name__))
+    HookMonitor.calls.clear()
+    hooks_before = global_hook_counts()
+    g, result = guarded_train(tmp_path)
+    assert_identical(result, unguarded)
+    assert len(HookMonitor.calls) == 1
+    (event,) = failures(g.report)
+    assert event.details["component"] == "HookMonitor"
+    assert global_hook_counts() == hooks_before
