@@ -1,9 +1,10 @@
-"""``python -m amp_runtime`` (also ``amp-runtime``): run, report, doctor, compare.
+"""``python -m amp_runtime`` (also ``amp-runtime``): run, report, doctor, compare, replay.
 
     python -m amp_runtime run [options] SCRIPT [ARGS...]   run a script under a guard
     python -m amp_runtime report DIR                       build DIR/report.html
     python -m amp_runtime doctor                           precision support and advice
     python -m amp_runtime compare MODULE:FACTORY           per-module error against fp32
+    python -m amp_runtime replay BUNDLE --model M:FACTORY  re-run a failing step, traced
 
 ``run`` executes the unmodified script as ``__main__`` the way ``python -m cProfile``
 does: ``sys.argv`` is ``[SCRIPT, ARGS...]``, ``sys.path[0]`` is the script's folder, its
@@ -30,9 +31,10 @@ from typing import List, Optional, Sequence
 
 from .events import GuardError
 from .html_report import REPORT_FILE, ReportError, build_report
+from .ranks import LOG_FOLDER, launcher_rank, rank_log_dir
 
 PROG = "python -m amp_runtime"
-DEFAULT_OUT = "amp-report"
+DEFAULT_OUT = LOG_FOLDER
 USAGE_ERROR = 2
 
 
@@ -80,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
   {PROG} report amp-report            rebuild amp-report/report.html from the logs
   {PROG} doctor                       which precision this machine should use
   {PROG} compare model.py:example     which modules to keep in float32
+  {PROG} replay amp-report/repro-step5.pt --model model.py:build
+                                      re-run a failing step saved by the guard, traced
 
 '{PROG} COMMAND --help' shows a command's options.""",
     )
@@ -114,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="only these codes/prefixes, e.g. AMP1,AMP003")
     run.add_argument("--ignore", type=_codes, metavar="CODES", help="skip these codes/prefixes")
     run.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                     help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/)")
+                     help=f"folder for the logs and report.html (default: {DEFAULT_OUT}/); "
+                          "under torchrun each process writes to DIR/rank-N")
     run.add_argument("--no-report", action="store_true", help="write the logs but not report.html")
     run.add_argument("-m", dest="as_module", action="store_true",
                      help="SCRIPT is a module name: run it as `python -m MODULE ARGS` would")
@@ -125,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser(
         "report", help="build report.html from a guard's log folder",
-        description="Build one self-contained report.html from events.jsonl/metrics.jsonl in DIR.",
+        description="Build one self-contained report.html from events.jsonl/metrics.jsonl in DIR.\n"
+                    "For a distributed run (DIR/rank-0, DIR/rank-1, ...: what `run` under\n"
+                    "torchrun and the Lightning / Hugging Face callbacks write), one page over\n"
+                    "all ranks that names the first failing rank and step.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     report.add_argument("dir", metavar="DIR", help="a guard's log_dir (e.g. amp-report/)")
     report.add_argument("--out", metavar="FILE",
@@ -178,6 +187,37 @@ examples:
     compare.add_argument("--top", type=int, default=20, metavar="N",
                          help="rows in the table (default: 20)")
     compare.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    replay = commands.add_parser(
+        "replay", help="re-run a failing training step saved by the guard, with per-op checks",
+        usage=f"{PROG} replay [options] BUNDLE --model MODULE:FACTORY",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Re-run the step a guard saved as a repro bundle (repro-step<N>.pt in its log folder,
+written when it replayed a failing step): the same inputs, parameters, buffers, RNG and
+autocast state, with per-op checks, to name the first op that produced NaN/Inf (AMP101)
+and, when the step's gradients were non-finite, where the backward first made them so
+(AMP103).
+
+MODULE is a module name (mypkg.models) or a .py file; FACTORY, a callable in it, is
+called with no arguments and returns the model (a fresh one: it gets the bundle's
+weights), or a list of models when the step called several (in the bundle's order).
+Bundles are read with torch.load(weights_only=True).""",
+        epilog=f"""\
+example factory, in model.py:
+  def build():
+      return MyNet(width=256)
+
+examples:
+  {PROG} replay amp-report/repro-step5.pt --model model.py:build
+  {PROG} replay repro-step5.pt --model mypkg.models:MyNet --device cpu --json""",
+    )
+    replay.add_argument("bundle", metavar="BUNDLE", help="a repro-step<N>.pt written by a guard")
+    replay.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                        help="builds the model(s) to load the bundle into, e.g. model.py:build")
+    replay.add_argument("--device", metavar="DEVICE",
+                        help="where to run (default: the recorded device if present, else cpu)")
+    replay.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
 
@@ -210,9 +250,11 @@ def _run(options) -> int:
         raise CliError(f"run: {target}: no such file")
     import amp_runtime
 
-    out = Path(options.out)
-    if out.exists() and not out.is_dir():
+    base = Path(options.out)
+    if base.exists() and not base.is_dir():
         raise CliError(f"run: --out {options.out}: exists and is not a folder")
+    rank, world_size = launcher_rank()  # under torchrun: one folder per rank
+    out = rank_log_dir(base, rank, world_size)
     try:
         guard = amp_runtime.guard(
             policy=options.policy, trace=options.trace, select=options.select,
@@ -226,11 +268,17 @@ def _run(options) -> int:
     width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None
     print(guard.report.summary(width=width), file=sys.stderr)
     if not options.no_report:
-        try:
-            page = build_report(out)
-            print(f"amp_runtime: report at {page}", file=sys.stderr)
-        except ReportError as err:
-            print(f"amp_runtime: no report: {err}", file=sys.stderr)
+        # rank 0 also builds the page over all ranks, from what they have written so far
+        folders = [out, base] if out != base and rank == 0 else [out]
+        for folder in folders:
+            try:
+                page = build_report(folder)
+                print(f"amp_runtime: report at {page}", file=sys.stderr)
+            except ReportError as err:
+                print(f"amp_runtime: no report: {err}", file=sys.stderr)
+        if out != base and rank == 0:
+            print(f"amp_runtime: once every rank has finished, `{PROG} report {base}` "
+                  "rebuilds the page over all ranks", file=sys.stderr)
     else:
         print(f"amp_runtime: logs in {out}{os.sep}", file=sys.stderr)
     return status
@@ -370,17 +418,17 @@ def _model_and_inputs(options, torch):
     return made
 
 
-def _load_factory(target: str):
+def _load_factory(target: str, command: str = "compare"):
     """FACTORY from MODULE (``module:factory`` or ``file.py:factory``), and its name."""
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
-        raise CliError(f"compare: {target!r} is not MODULE:FACTORY (e.g. model.py:example)")
+        raise CliError(f"{command}: {target!r} is not MODULE:FACTORY (e.g. model.py:example)")
     if module_name.endswith(".py") or os.sep in module_name:
         path = Path(module_name)
         if not path.is_file():
-            raise CliError(f"compare: {module_name}: no such file")
+            raise CliError(f"{command}: {module_name}: no such file")
         sys.path.insert(0, str(path.resolve().parent))
-        namespace = runpy.run_path(str(path), run_name="amp_runtime_compare_target")
+        namespace = runpy.run_path(str(path), run_name=f"amp_runtime_{command}_target")
     else:
         sys.path.insert(0, os.getcwd())
         try:
@@ -388,11 +436,65 @@ def _load_factory(target: str):
         except ModuleNotFoundError as err:
             if module_name != err.name and not module_name.startswith(f"{err.name}."):
                 raise  # the module was found; an import inside it failed
-            raise CliError(f"compare: cannot import {module_name}: {err}") from None
+            raise CliError(f"{command}: cannot import {module_name}: {err}") from None
     factory = namespace.get(attr)
     if not callable(factory):
-        raise CliError(f"compare: {module_name} has no callable {attr!r}")
+        raise CliError(f"{command}: {module_name} has no callable {attr!r}")
     return factory, attr
 
 
-_COMMANDS = {"run": _run, "report": _report, "doctor": _doctor, "compare": _compare}
+def _replay(options) -> int:
+    import torch
+
+    from .replay import BundleError, load_bundle, replay_bundle
+
+    if not Path(options.bundle).is_file():
+        raise CliError(f"replay: {options.bundle}: no such file")
+    try:
+        bundle = load_bundle(options.bundle)
+    except BundleError as err:
+        raise CliError(f"replay: {err}") from None
+    try:
+        factory, name = _load_factory(options.model, "replay")
+        made = factory()
+    except CliError:
+        raise
+    except Exception as err:  # the user's module or factory failed: show it as their own
+        _print_user_traceback(err)
+        print(f"error: replay: building the model with {options.model} failed "
+              f"({type(err).__name__})", file=sys.stderr)
+        return 1
+    modules = list(made) if isinstance(made, (list, tuple)) else [made]
+    if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
+        raise CliError(f"replay: {name}() must return a torch.nn.Module (or a list of them), "
+                       f"got {type(made).__name__}")
+    try:
+        report, outcome = replay_bundle(bundle, modules, device=options.device)
+    except (BundleError, RuntimeError, ValueError) as err:
+        raise CliError(f"replay: {err}") from None
+    if options.json:
+        print(json.dumps({"outcome": outcome.to_json(), **report.to_json()}, indent=2,
+                         default=str))
+        return 0
+    print(_outcome_line(outcome))
+    print(report.summary())
+    return 0
+
+
+def _outcome_line(outcome) -> str:
+    """What the replay of a bundle found, in one sentence."""
+    head = f"replay of step {outcome.step} ({', '.join(outcome.triggers)}):"
+    if outcome.skipped:
+        return f"{head} did not run: {outcome.skipped}"
+    origin = outcome.origin
+    if origin is None:
+        return f"{head} the replayed step stayed finite"
+    at = f" at {origin.source}" if origin.source else ""
+    if origin.phase == "forward":
+        return f"{head} the first NaN/Inf came from {origin.describe()}{at}"
+    verified = "" if outcome.reproduced else " (the step's non-finite gradients not all reproduced)"
+    return f"{head} gradients first turned non-finite in {origin.describe()}{at}{verified}"
+
+
+_COMMANDS = {"run": _run, "report": _report, "doctor": _doctor, "compare": _compare,
+             "replay": _replay}

@@ -57,7 +57,7 @@ from .events import (
 from .mode import GuardMode
 from .monitors import Monitor
 from .thresholds import Thresholds
-from .tracking import ModuleTracker, op_name, user_source
+from .tracking import ModuleTracker, call_site, op_name
 
 POLICIES = ("warn", "raise", "record")
 TRACE_MODES = ("off", "auto", "always")
@@ -72,6 +72,7 @@ MONITOR_MODULES = (
     "amp_runtime.monitors.forward",
     "amp_runtime.monitors.scaler",
     "amp_runtime.monitors.grads",
+    "amp_runtime.replay",
     "amp_runtime.metrics",
     "amp_runtime.tensorboard",
     "amp_runtime.steps",
@@ -194,6 +195,8 @@ class Guard(Component):
         #: The code that turned tracing on under trace="auto" (None when it is off).
         self.tracing_reason: Optional[str] = None
         self._quiet_steps = 0
+        #: The monitor that replays a failing step (``replay.py``), None while not attached.
+        self.replayer = None
         self._thread: Optional[int] = None
         self._active = False
 
@@ -227,6 +230,13 @@ class Guard(Component):
             if self._mode is not None:
                 self._mode.set_tracing(True)
             self._sync_mode()
+
+    def request_replay(self, code: str, step: Optional[int] = None) -> None:
+        """A step-level check saw ``code`` (AMP112, AMP103, or ``replay.SKIPPED``) in ``step``
+        (default: this one): re-run that step's forward with per-op checks before the optimizer
+        applies it, once per anomaly episode (``replay.py``)."""
+        if self.replayer is not None:
+            self.replayer.request(code, self.step_index if step is None else step)
 
     def step(self) -> None:
         """End the current training step by hand (for loops without optimizer or scaler)."""
@@ -283,7 +293,8 @@ class Guard(Component):
         """Record a finding and apply the policy; None when the code is deselected.
 
         ``op`` may be a torch function or a name. ``source`` and ``module`` default to the
-        user's line and the running module. Under ``policy="raise"`` an event at or above
+        user's line and the running module (a framework's line that called torch for the user
+        goes to ``details["library_source"]``). Under ``policy="raise"`` an event at or above
         ``raise_at`` raises GuardError here, i.e. inside the op that caused it.
         """
         if self.suspended or not self.enabled(code):
@@ -291,17 +302,23 @@ class Guard(Component):
         if self.failure is not None and code != GUARD_FAILURE:
             return None
         op = op if op is None or isinstance(op, str) else op_name(op)
+        if source is None:
+            source, library_source = call_site()
+            if library_source is not None:  # a framework's line (Lightning, transformers)
+                details = {**(details or {}), "library_source": library_source}
         event = Event.create(
             code,
             severity=severity,
             op=op,
             module=module if module is not None else self.tracker.current(),
             step=self.step_index,
-            source=source if source is not None else user_source(),
+            source=source,
             rank=_rank(),
             details=details or {},
             **message_fields,
         )
+        if self.replayer is not None:
+            self.replayer.observe(event)
         for guard in self._recorders():
             guard._record(event)
         self._apply_policy(event)
@@ -486,14 +503,20 @@ class Guard(Component):
         if self._mode is not None and self.step_index < self.thresholds.watch_steps:
             self._mode.look_for_modules(self.tracker.sight)
 
-    def _optimizer_step_starts(self, optimizer, args, kwargs) -> None:
-        if self._mode is None or self._in_optimizer or self.failure is not None:
-            return
-        if threading.get_ident() == self._thread:
+    def _optimizer_step_starts(self, optimizer, args, kwargs):
+        if self._mode is None or self._in_optimizer or self.suspended or self.failure is not None:
+            return None
+        if threading.get_ident() != self._thread:
+            return None
+        # before the mode leaves: a closure is the user's forward and backward. It runs once
+        # here; what follows is the guard's own work and must not make the optimizer run it again
+        arguments = _closure_run_first(args, kwargs)
+        with self.containment.guarding(self):
             self._in_optimizer = True
             self._sync_mode()
             if "zero_grad" not in vars(optimizer):
                 self._zero_grad_unobserved(optimizer)
+        return arguments
 
     def _zero_grad_unobserved(self, optimizer) -> None:
         """Let ``optimizer.zero_grad()`` run without the mode: it reads and writes ``.grad``
@@ -662,6 +685,48 @@ class EventsLog(Component):
             self._file.close()
         except OSError:  # a full disk fails the flush of the close too
             pass
+
+
+def _closure_run_first(args, kwargs):
+    """``optimizer.step(closure)`` (Lightning's bf16 and fp32 steps, LBFGS) runs the forward
+    and backward inside the step. Run the closure here, before the step's checks (this
+    guard's pre-hook comes before the monitors'), so they see this step's gradients and the
+    forward runs observed; the optimizer's first call of the closure gets its result, later
+    calls (LBFGS's line search) run it again. None when there is no closure to run."""
+    # the hook's ``args`` are step()'s, the optimizer first: a positional closure is args[1]
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None or isinstance(closure, _FirstCallCached) or not callable(closure):
+        return None
+    result = error = None
+    try:
+        with torch.enable_grad():
+            result = closure()
+    except Exception as raised:  # the user's own: raised where the optimizer calls the closure
+        error = raised
+    cached = _FirstCallCached(closure, result, error)
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": cached}
+    return (args[0], cached, *args[2:]), kwargs
+
+
+class _FirstCallCached:
+    """A closure whose first call returns the result it already produced (or raises the
+    exception it raised)."""
+
+    __slots__ = ("_closure", "_result", "_error", "_called")
+
+    def __init__(self, closure, result, error=None):
+        self._closure, self._result, self._error, self._called = closure, result, error, False
+
+    def __call__(self):
+        if self._called:
+            return self._closure()
+        self._called = True
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        result, self._result = self._result, None
+        return result
 
 
 def _overridden(monitors: List[Monitor], method: str) -> List[Callable]:

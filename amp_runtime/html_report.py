@@ -3,8 +3,11 @@
 Reads ``events.jsonl`` (one ``Event.to_json()`` per line) and ``metrics.jsonl`` (one
 object per step: ``step``, ``loss``, ``loss_scale``, ``skipped``, ``grad_norm`` and,
 on some steps, per-layer ``layers`` statistics). The page has no external assets: the
-plots are PNG images embedded as base64, the style is inline. Plots need matplotlib;
-without it the page says so and still carries the diagnosis and the events.
+plots are PNG images embedded as base64, the style is inline. Plots are drawn with
+matplotlib, which ``flake8-amp[runtime]`` installs; without it the page says so and still
+carries the diagnosis and the events. A folder of a distributed run, with one ``rank-N``
+subfolder per process (``ranks.py``), gets one page: which rank failed first and at which
+step, then each rank's report.
 
 Torch-free: it only reads the logs.
 """
@@ -24,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from flake8_amp.catalog import severity_rank
 
 from .events import Event, Report
+from .ranks import LOG_FOLDER, rank_dirs
 from .thresholds import Thresholds
 
 EVENTS_FILE = "events.jsonl"
@@ -57,6 +61,8 @@ class RunLog:
     steps: List[Dict[str, Any]] = field(default_factory=list)
     #: What the reader had to leave out, for the page.
     notes: List[str] = field(default_factory=list)
+    #: The process's rank in a distributed run (its ``rank-N`` folder), else None.
+    rank: Optional[int] = None
 
     @property
     def events(self) -> List[Event]:
@@ -492,38 +498,88 @@ table{border-collapse:collapse;width:100%;font-size:12px}
 th,td{border:1px solid #ddd;padding:3px 6px;vertical-align:top;text-align:left}
 th{background:#f5f5f5} td code{white-space:pre-wrap}
 .P0{color:#c62828;font-weight:600} .P1{color:#ef6c00} .P2{color:#1565c0}
+summary{cursor:pointer;border-bottom:1px solid #ddd;margin:28px 0 8px}
+summary h2{display:inline;border:0}
 """
 _NO_MATPLOTLIB = (
     "Plots need matplotlib, which is not installed "
-    '(<code>pip install "flake8-amp[report]"</code>); the diagnosis and events are below.'
+    '(<code>pip install "flake8-amp[runtime]"</code>); the diagnosis and events are below.'
 )
 
 
 def render(run: RunLog) -> str:
-    """The HTML text of the report."""
+    """The HTML text of the report of one run (one process)."""
+    counts = f"{len(run.steps)} step(s), {len(run.report)} event(s)"
+    return _page(run.log_dir, counts, _run_body(run))
+
+
+def render_ranks(log_dir: Path, runs: Sequence[RunLog], notes: Sequence[str] = ()) -> str:
+    """The HTML text of one report over the ranks of a distributed run: which rank failed
+    first and at which step, a table of the ranks, then each rank's own report."""
+    esc = html.escape
+    steps = max((len(run.steps) for run in runs), default=0)
+    events = sum(len(run.report) for run in runs)
+    parts = [*(f'<p class="note">{esc(note)}</p>' for note in notes)]
+    first = first_failure(runs)
+    healthy = first is None
+    parts += [
+        f'<section id="ranks" class="diagnosis{" ok" if healthy else ""}">',
+        f"<h2>Ranks</h2><p>{esc(_ranks_headline(runs, first))}</p>",
+        "<table><tr><th>rank</th><th>steps</th><th>events</th><th>worst</th>"
+        "<th>first event</th></tr>",
+    ]
+    for run in runs:
+        worst = run.report.worst()
+        earliest = _earliest(run.events)
+        parts.append(
+            f'<tr><td><a href="#rank-{run.rank}">{run.rank}</a></td><td>{len(run.steps)}</td>'
+            f"<td>{len(run.report)}</td><td>{_severity_cell(worst) if worst else ''}</td>"
+            f"<td>{esc(_describe(earliest)) if earliest else ''}</td></tr>")
+    parts.append("</table></section>")
+    for run in runs:
+        failing = first is not None and first[0] is run
+        parts += [
+            f'<section id="rank-{run.rank}"><details{" open" if failing else ""}>',
+            f"<summary><h2>Rank {run.rank}</h2></summary>",
+            *_run_body(run, prefix=f"rank-{run.rank}-", heading="h3"),
+            "</details></section>",
+        ]
+    counts = f"{len(runs)} rank(s), up to {steps} step(s), {events} event(s)"
+    return _page(log_dir, counts, parts)
+
+
+def _page(log_dir: Path, counts: str, body: List[str]) -> str:
+    esc = html.escape
+    return "\n".join([
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>amp_runtime report — {esc(log_dir.name)}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        "<h1>amp_runtime report</h1>",
+        f'<div class="meta">{esc(str(log_dir))} — {counts}</div>',
+        *body,
+        "</body></html>",
+    ])
+
+
+def _run_body(run: RunLog, prefix: str = "", heading: str = "h2") -> List[str]:
+    """Notes, diagnosis, plots and event tables of one run; element ids start with ``prefix``."""
     esc = html.escape
     diagnosis = diagnose(run)
     healthy = diagnosis[0].startswith("No problems found")
-    counts = f"{len(run.steps)} step(s), {len(run.report)} event(s)"
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>amp_runtime report — {esc(run.log_dir.name)}</title>",
-        f"<style>{_STYLE}</style></head><body>",
-        "<h1>amp_runtime report</h1>",
-        f'<div class="meta">{esc(str(run.log_dir))} — {counts}</div>',
         *(f'<p class="note">{esc(note)}</p>' for note in run.notes),
-        f'<section id="diagnosis" class="diagnosis{" ok" if healthy else ""}">',
-        "<h2>Diagnosis</h2><ul>",
+        f'<section id="{prefix}diagnosis" class="diagnosis{" ok" if healthy else ""}">',
+        f"<{heading}>Diagnosis</{heading}><ul>",
         *(f"<li>{esc(sentence)}</li>" for sentence in diagnosis),
         "</ul></section>",
-        '<section id="plots"><h2>Plots</h2>',
+        f'<section id="{prefix}plots"><{heading}>Plots</{heading}>',
     ]
     plots = _plots(run)
     if plots is None:
-        parts.append(f'<p class="missing" id="no-matplotlib">{_NO_MATPLOTLIB}</p>')
+        parts.append(f'<p class="missing" id="{prefix}no-matplotlib">{_NO_MATPLOTLIB}</p>')
     for plot in plots or ():
-        figure_id = f"plot-{plot.key}"
+        figure_id = f"{prefix}plot-{plot.key}"
         if plot.png is None:
             parts.append(f'<figure class="plot missing" id="{figure_id}">'
                          f"{esc(plot.title)}: {esc(plot.empty_reason)}</figure>")
@@ -531,24 +587,62 @@ def render(run: RunLog) -> str:
             parts.append(f'<figure class="plot" id="{figure_id}"><img alt="{esc(plot.title)}" '
                          f'src="data:image/png;base64,{plot.png}"></figure>')
     parts.append("</section>")
-    parts += _section("summary", "Events by code and place", _summary_rows(run))
-    parts += _section("events", "Events", _event_rows(run))
+    parts += _section(f"{prefix}summary", "Events by code and place", _summary_rows(run), heading)
+    parts += _section(f"{prefix}events", "Events", _event_rows(run), heading)
     shown = min(len(run.events), MAX_EVENT_ROWS)
     if len(run.report) > shown:
         more = len(run.report) - shown
         parts.append(f"<p>… and {more} more event(s), counted in the summary above; "
                      f"{EVENTS_FILE} holds the first of each and their totals.</p>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    return parts
+
+
+#: Where in a training step each runtime check fires, in the order the step runs: the
+#: forward's ops, the loss when backward starts, the gradients at the optimizer step, the
+#: loss scale at the scaler's update. Under DDP the ranks take their steps together, so a
+#: rank whose loss was NaN failed before the ranks whose all-reduced gradients then were.
+_STEP_PHASES = {"AMP112": 1, "AMP103": 2, "AMP104": 2, "AMP105": 2, "AMP106": 2,
+                "AMP107": 3, "AMP108": 3, "AMP109": 3}
+
+
+def _when(event: Event) -> Tuple[int, int]:
+    """(step, phase in the step): events before any step come first."""
+    return -1 if event.step is None else event.step, _STEP_PHASES.get(event.code, 0)
+
+
+def _earliest(events: Sequence[Event]) -> Optional[Event]:
+    """The event that happened first, the worst at a tie."""
+    return min(events, default=None, key=lambda e: (*_when(e), severity_rank(e.severity)))
+
+
+def first_failure(runs: Sequence[RunLog]) -> Optional[Tuple[RunLog, Event]]:
+    """The rank whose first event came first (step, then phase in the step; the lowest rank
+    at a tie), with that event; None when no rank had one."""
+    firsts = [(run, _earliest(run.events)) for run in runs if run.events]
+    return min(firsts, default=None, key=lambda item: (*_when(item[1]), item[0].rank))
+
+
+def _describe(event: Event) -> str:
+    step = "before the first step" if event.step is None else f"step {event.step}"
+    return f"{step}: {event.code} ({event.severity}) {event.name}{_where(event)}"
+
+
+def _ranks_headline(runs: Sequence[RunLog], first: Optional[Tuple[RunLog, Event]]) -> str:
+    if first is None:
+        return f"No problems found on any of the {len(runs)} rank(s)."
+    run, event = first
+    failing = sum(1 for r in runs if r.events)
+    return (f"First failing rank: rank {run.rank} at {_describe(event)}. "
+            f"{failing} of {len(runs)} rank(s) had events.")
 
 
 Table = Tuple[Sequence[str], List[List[str]]]
 
 
-def _section(section_id: str, title: str, table: Table) -> List[str]:
+def _section(section_id: str, title: str, table: Table, heading: str = "h2") -> List[str]:
     """A titled section holding one table (header names, rows of cell HTML), or "No events."."""
     header, rows = table
-    lines = [f'<section id="{section_id}"><h2>{title}</h2>']
+    lines = [f'<section id="{section_id}"><{heading}>{title}</{heading}>']
     if not rows:
         return lines + ["<p>No events.</p></section>"]
     lines.append("<table><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>")
@@ -600,11 +694,38 @@ def _source_text(source: Optional[str]) -> str:
 
 
 def build_report(log_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> Path:
-    """Write ``report.html`` (default: inside ``log_dir``) and return its path."""
-    run = load_run(log_dir)
-    target = Path(out) if out is not None else run.log_dir / REPORT_FILE
+    """Write ``report.html`` (default: inside ``log_dir``) and return its path. A folder
+    whose logs are in ``rank-N`` subfolders (a distributed run) gets one page over all ranks."""
+    folder = Path(log_dir)
+    own_logs = (folder / EVENTS_FILE).exists() or (folder / METRICS_FILE).exists()
+    ranks = [] if own_logs else rank_dirs(folder)
+    if ranks:
+        runs, notes = _load_ranks(folder, ranks)
+        text = render_ranks(folder, runs, notes)
+    elif not own_logs and (folder / LOG_FOLDER).is_dir():  # a trainer's output folder
+        raise ReportError(f"{folder}: no logs here; the guard's are in {folder / LOG_FOLDER}")
+    else:
+        text = render(load_run(folder))
+    target = Path(out) if out is not None else folder / REPORT_FILE
     try:
-        target.write_text(render(run), encoding="utf-8")
+        target.write_text(text, encoding="utf-8")
     except OSError as err:
         raise ReportError(f"cannot write {target}: {err.strerror}") from None
     return target
+
+
+def _load_ranks(folder: Path, ranks: Sequence[Tuple[int, Path]]) -> Tuple[List[RunLog], List[str]]:
+    """Every rank's logs; a rank folder without usable logs is a note on the page (a rank
+    that died early must not hide the others), unless no rank has any."""
+    runs, notes = [], []
+    for rank, path in ranks:
+        try:
+            run = load_run(path)
+        except ReportError as err:
+            notes.append(f"Rank {rank} is left out: {err}")
+            continue
+        run.rank = rank
+        runs.append(run)
+    if not runs:
+        raise ReportError(f"{folder}: no rank folder holds usable logs ({notes[0]})")
+    return runs, notes

@@ -11,29 +11,68 @@ the outermost running module whenever the stack is read (an event, a compilation
 first watched steps the first op run inside a module: ``ModuleTracker.sight``). Never by
 searching the heap. ``torch.compile``'s wrapper is transparent: names are those of the
 compiled module, without ``_orig_mod``.
+
+The user's line is the innermost frame outside torch, this package and the training
+frameworks that drive the loop (Lightning, Hugging Face transformers and accelerate):
+under ``Trainer.fit`` a GradScaler is stepped from Lightning's precision plugin, and
+pointing there would send the user to a file they cannot change. The innermost framework
+frame, where there is one, is kept as the library's line.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from .events import PACKAGE_DIR
 
+#: Top-level packages of the training frameworks whose frames are not the user's.
+FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate")
+
+
+def _package_dirs(names) -> Tuple[str, ...]:
+    """The folders of the installed packages among ``names``, found without importing them."""
+    dirs = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec and spec.submodule_search_locations) or ():
+            dirs.append(os.path.join(os.path.abspath(location), ""))
+    return tuple(dirs)
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+#: Frames of the guard and of torch: skipped without a trace.
 _SKIPPED_DIRS = (_TORCH_DIR, PACKAGE_DIR)
+#: Frames of the frameworks (resolved once, here): skipped, the innermost kept as the library's.
+_FRAMEWORK_DIRS = _package_dirs(FRAMEWORKS)
+
+
+def call_frames(frame):
+    """``(user frame, library frame)`` from ``frame`` outwards: the innermost frame outside
+    torch, this package and the frameworks (None when the whole stack is theirs), and the
+    innermost framework frame inside it (None when the user's code called torch directly)."""
+    library = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_FRAMEWORK_DIRS):
+            library = library or frame
+        elif not filename.startswith(_SKIPPED_DIRS):
+            break
+        frame = frame.f_back
+    return frame, library
 
 
 def user_frame():
-    """The innermost frame outside torch and amp_runtime (the user's code), or None."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED_DIRS):
-        frame = frame.f_back
-    return frame
+    """The innermost frame of the user's code (see ``call_frames``), or None."""
+    return call_frames(sys._getframe(1))[0]
 
 
 def format_source(filename: str, lineno: int) -> str:
@@ -52,10 +91,19 @@ def _shown_path(filename: str, cwd: str) -> str:
     return filename if relative.startswith("..") else relative
 
 
+def _source_of(frame) -> Optional[str]:
+    return None if frame is None else format_source(frame.f_code.co_filename, frame.f_lineno)
+
+
 def user_source() -> Optional[str]:
     """``file:line`` of the user's code running now, or None."""
-    frame = user_frame()
-    return None if frame is None else format_source(frame.f_code.co_filename, frame.f_lineno)
+    return _source_of(user_frame())
+
+
+def call_site() -> Tuple[Optional[str], Optional[str]]:
+    """``(user's file:line, library's file:line)`` of the code running now (see ``call_frames``)."""
+    user, library = call_frames(sys._getframe(1))
+    return _source_of(user), _source_of(library)
 
 
 def op_name(func) -> str:

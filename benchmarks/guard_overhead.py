@@ -175,6 +175,8 @@ VARIANTS = {
     "no guard": lambda: contextlib.nullcontext(),
     'trace="off"': lambda: amp_runtime.guard(policy="record", trace="off"),
     'trace="auto" (healthy)': lambda: amp_runtime.guard(policy="record", trace="auto"),
+    'trace="auto" without replay': lambda: amp_runtime.guard(  # no root-module calls kept
+        policy="record", trace="auto", ignore=["AMP101", "AMP103"]),
     'trace="auto" without grad stats': lambda: amp_runtime.guard(
         policy="record", trace="auto", ignore=["AMP103", "AMP104", "AMP105", "AMP106"]),
     'trace="always"': lambda: amp_runtime.guard(policy="record", trace="always"),

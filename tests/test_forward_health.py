@@ -95,14 +95,18 @@ def test_trace_always_names_the_first_overflowing_op_module_line_and_step():
     assert "linear produced NaN from finite inputs" in event.message
 
 
-def test_trace_auto_detects_in_the_step_and_localizes_the_next_occurrence():
+def test_trace_auto_replays_the_failing_step_then_traces_the_next_occurrence():
     with amp_runtime.guard(policy="record", trace="auto") as g:
         assert not g.tracing
         run_training(6, g, overflow_steps={3, 4})
     losses = g.report.by_code("AMP112")
     assert losses and losses[0].step == 3 and losses[0].severity == "P0"
-    (first_op,) = g.report.by_code("AMP101")
-    assert first_op.step == 4 and first_op.module == "blocks.2.fc2" and first_op.op == "linear"
+    replayed, traced = g.report.by_code("AMP101")
+    assert (replayed.step, replayed.details.get("replayed")) == (3, True)  # replay.py
+    assert traced.step == 4 and "replayed" not in traced.details
+    for event in (replayed, traced):
+        assert event.module == "blocks.2.fc2" and event.op == "linear"
+        assert event.source == f"{THIS_FILE}:{FC2_LINE}"
     assert g.tracing  # still within the quiet period
 
 

@@ -1,6 +1,7 @@
 """report.html from the logs of real guarded training runs on CPU."""
 import base64
 import json
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -258,3 +259,18 @@ def test_diagnosis_says_how_to_find_an_op_it_could_not_pin_down(tmp_path):
         fh.write(mul + "\n")
     (headline, *_) = diagnose(load_run(tmp_path))
     assert headline.endswith("first localized overflow (mul, train.py:10) at step 8 [AMP101].")
+
+
+def test_a_rank_folder_without_logs_is_a_note_and_the_other_ranks_are_reported(
+        overflow_run, tmp_path):
+    log_dir, guard = overflow_run
+    base = tmp_path / "ddp"
+    shutil.copytree(log_dir, base / "rank-0")
+    (base / "rank-1").mkdir()  # a rank that died before its first step
+    page = build_report(base).read_text(encoding="utf-8")
+    assert "Rank 1 is left out" in page
+    first_step = min(e.step for e in guard.report.events)
+    assert f"First failing rank: rank 0 at step {first_step}: " in page
+    shutil.rmtree(base / "rank-0")
+    with pytest.raises(ReportError, match="no rank folder holds usable logs"):
+        build_report(base)

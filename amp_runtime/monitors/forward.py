@@ -221,6 +221,7 @@ class ForwardMonitor(Monitor):
 
     def _judge_loss(self, loss_max: float, where) -> None:
         if not math.isfinite(loss_max):
+            self.guard.request_replay("AMP112")  # under policy="raise" it runs before this raises
             self.guard.emit("AMP112", op="backward", kind=nonfinite_kind(loss_max), **where)
             self.guard.request_tracing("AMP112")
 

@@ -125,6 +125,13 @@ class GradSample:
         """How many statistics per gradient: 1 (norms only) or 5 (detailed)."""
         return self.stats.shape[0] if self.values is None else len(self.values) // len(self.names)
 
+    def nonfinite_on_host(self) -> bool:
+        """Whether the norms show a NaN/Inf gradient, where they are known without a device read
+        (values read already, or statistics on the CPU); False while they wait on a device."""
+        if self.values is not None:
+            return not math.isfinite(sum(self.values[:len(self.names)]))
+        return self.stats.is_cpu and not bool(torch.isfinite(self.stats[NORM]).all())
+
 
 @dataclass(slots=True)
 class LayerGrad:
@@ -248,7 +255,7 @@ def layer_of(param_name: str) -> str:
     return param_name.rpartition(".")[0] or param_name
 
 
-def _listing(names: Sequence[str]) -> str:
+def listing(names: Sequence[str]) -> str:
     shown = ", ".join(names[:_NAMES_IN_MESSAGE])
     hidden = len(names) - _NAMES_IN_MESSAGE
     return shown + (f" and {hidden} more" if hidden > 0 else "")
@@ -265,7 +272,7 @@ def judge_gradients(
     if not math.isfinite(total):
         names = list(dict.fromkeys(layer_of(g.name) for g in layers if not math.isfinite(g.norm)))
         findings.append(("AMP103", dict(
-            where=_listing(names), module=names[0], details={"layers": names},
+            where=listing(names), module=names[0], details={"layers": names},
         )))
         return findings  # norms of non-finite gradients mean nothing
 
@@ -294,7 +301,7 @@ def judge_gradients(
         if vanished:
             findings.append(("AMP105", dict(
                 detail=f"gradients vanished (max |g| < {limits.grad_vanishing_layer:g}) in "
-                       f"{len(vanished)} layer(s): {_listing(vanished)}",
+                       f"{len(vanished)} layer(s): {listing(vanished)}",
                 module=vanished[0],
                 details={"layers": vanished, "total_norm": total},
             )))
@@ -476,8 +483,11 @@ class GradHealth(Monitor):
                     scaled_by = state.scaler._scale
             loss_scale = scaled_by
         params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+        sampled = len(self.pending)
         self._sample(params, scaled_by=scaled_by, loss_scale=loss_scale)
         self.sampled_optimizers.add(id(optimizer))
+        if any(sample.nonfinite_on_host() for sample in self.pending[sampled:]):
+            self.guard.request_replay("AMP103")  # replayed before this optimizer applies them
 
     def _logged_step(self) -> bool:
         """Whether this step's per-layer statistics go to metrics.jsonl."""
@@ -516,7 +526,10 @@ class GradHealth(Monitor):
             key = (code, kwargs.get("severity"), kwargs.get("layer"), layers_named)
             keys.add(key)
             if key not in self._previous_keys:
-                self.guard.emit(code, op="optimizer.step", **kwargs)
+                if code == "AMP103" and self.guard.replayer is not None:
+                    self.guard.request_replay(code, step)
+                    kwargs = self.guard.replayer.explain_nonfinite_grads(step, kwargs)
+                self.guard.emit(code, **{"op": "optimizer.step", **kwargs})
         self._previous_keys = keys
         record["grad_norm"] = total_norm(layers)
         if detailed and step % self.guard.thresholds.metrics_every == 0:

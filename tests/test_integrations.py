@@ -1,0 +1,85 @@
+"""What every trainer integration relies on: closures run by ``optimizer.step`` (Lightning's
+bf16 and fp32 steps, LBFGS) are watched like any forward and backward, and neither framework
+is imported until its integration is, which then says what to install."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import amp_runtime
+from frameworks.support import line_of, place
+
+
+def _closure_training(steps, optimizer_class=torch.optim.SGD, overflow_at=None, **options):
+    """Steps of ``optimizer.step(closure)`` under bf16 autocast; losses and final weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = optimizer_class(model.parameters(), lr=0.05)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    losses = []
+    for step in range(steps):
+        def closure():
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+                if step == overflow_at:
+                    out = out * 1e39  # overflow in the closure
+            loss = nn.functional.mse_loss(out.float(), y)
+            loss.backward()
+            return loss
+
+        losses.append(optimizer.step(closure).item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.LBFGS])
+def test_closure_steps_keep_their_numerics_and_are_silent(optimizer_class):
+    plain_losses, plain_weights = _closure_training(5, optimizer_class)
+    with amp_runtime.guard(policy="raise", trace="always") as guard:
+        losses, weights = _closure_training(5, optimizer_class)
+    assert losses == plain_losses  # LBFGS calls its closure several times per step
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    assert guard.step_index == 5 and len(guard.report) == 0
+
+
+def test_an_overflow_inside_a_closure_is_found_at_its_step_before_the_optimizer_applies_it():
+    with amp_runtime.guard(policy="record", trace="always") as guard:
+        _closure_training(4, overflow_at=2)
+    first = guard.report.events[0]
+    assert (first.code, first.step, first.op) == ("AMP101", 2, "mul")
+    assert place(first.source) == line_of(Path(__file__), "# overflow in the closure")
+    grads = [e for e in guard.report.events if e.code == "AMP103"]
+    assert grads and grads[0].step == 2  # the closure's gradients, not the previous step's
+
+
+def _import_in_a_fresh_python(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_no_framework_is_imported_by_the_guard_or_the_integrations_package():
+    result = _import_in_a_fresh_python(
+        "import sys, amp_runtime.guard, amp_runtime.integrations\n"
+        "with amp_runtime.guard(): pass\n"
+        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', "
+        "'accelerate') if m in sys.modules))")
+    assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr
+
+
+@pytest.mark.parametrize("integration, blocked, install", [
+    ("lightning", "lightning", "pip install lightning"),
+    ("pytorch_lightning", "pytorch_lightning", "pip install pytorch-lightning"),
+    ("transformers", "transformers", "pip install transformers"),
+])
+def test_a_missing_framework_is_named_with_what_to_install(integration, blocked, install):
+    result = _import_in_a_fresh_python(
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        f"import amp_runtime.integrations.{integration}")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: amp_runtime.integrations.")
+    assert f"needs {blocked}, which is not installed" in last
+    assert last.endswith(install), last
