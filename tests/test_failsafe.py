@@ -368,3 +368,48 @@ def test_hooks_kept_by_any_monitor_are_contained(monkeypatch, tmp_path, unguarde
     (event,) = failures(g.report)
     assert event.details["component"] == "HookMonitor"
     assert global_hook_counts() == hooks_before
+
+
+def closure_step(guarded, fail_at=None):
+    """``optimizer.step(closure)``, as Lightning and LBFGS run it; the guard runs the closure
+    first in its pre-hook. Returns how often the closure ran, the weights and the guard."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    runs = []
+
+    def closure():
+        runs.append(1)
+        optimizer.zero_grad()
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        if len(runs) == fail_at:
+            raise ValueError("the user's own bug")
+        return loss
+
+    with amp_runtime.guard(policy="record") if guarded else torch.no_grad() as g:
+        try:
+            for _ in range(3):
+                optimizer.step(closure)
+            error = None
+        except ValueError as raised:
+            error = str(raised)
+    return len(runs), error, [p.detach().clone() for p in model.parameters()], g
+
+
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_a_closure_the_guard_runs_first_runs_once_and_its_error_reaches_the_user(fail_at):
+    runs, error, weights, g = closure_step(guarded=True, fail_at=fail_at)
+    plain_runs, plain_error, plain_weights, _ = closure_step(guarded=False, fail_at=fail_at)
+    assert (runs, error) == (plain_runs, plain_error)
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    assert "AMP100" not in g.report.codes()
+
+
+def test_the_guards_work_after_a_closure_it_ran_does_not_run_it_again(monkeypatch):
+    monkeypatch.setattr(Guard, "_zero_grad_unobserved", failing([]))
+    runs, error, weights, g = closure_step(guarded=True)
+    plain_runs, _, plain_weights, _ = closure_step(guarded=False)
+    assert runs == plain_runs == 3 and error is None
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    assert g.report.codes() == {"AMP100": 1}
