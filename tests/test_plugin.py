@@ -20,15 +20,16 @@ BCE_IN_CUSTOM_REGION = textwrap.dedent("""\
             return F.binary_cross_entropy(model(x), y)
     """)
 
+# Named for what it is not (a loss called ``focal_loss`` is known by its name).
 FOCAL_LOSS_OUTSIDE = textwrap.dedent("""\
     import torch
-    from mylib.losses import focal_loss
+    from mylib.objectives import sigmoid_focal
 
 
     def step(model, x, y):
         with torch.autocast("cuda"):
             logits = model(x)
-        return focal_loss(logits, y)
+        return sigmoid_focal(logits, y)
     """)
 
 ROLLOUT_CAST = textwrap.dedent("""\
@@ -87,7 +88,7 @@ def test_noqa(tmp_path, flake8, noqa, expected):
     [
         ("amp-autocast-functions", "mylib.amp.my_amp_ctx", BCE_IN_CUSTOM_REGION, "AMP003"),
         ("amp-autocast-functions", "my_amp_ctx", BCE_IN_CUSTOM_REGION, "AMP003"),
-        ("amp-loss-functions", "mylib.losses.focal_loss", FOCAL_LOSS_OUTSIDE, "AMP002"),
+        ("amp-loss-functions", "mylib.objectives.sigmoid_focal", FOCAL_LOSS_OUTSIDE, "AMP002"),
     ],
 )
 def test_options_enable_findings_on_command_line(tmp_path, flake8, option, value, source, code):
@@ -201,6 +202,51 @@ def test_every_spelling_of_a_big_constant_passes_the_pre_check(tmp_path, flake8,
         """))
     result = flake8(["--isolated", "--select=AMP", path])
     assert codes(result.stdout) == ["AMP007"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "source, code",
+    [
+        (
+            """\
+            import torch.nn as nn
+
+
+            class Windows(nn.Module):
+                def forward(self, scores, n):
+                    return nn.functional.pad(scores, (0, n), value=-1e9)
+            """,
+            "AMP007",
+        ),
+        (
+            """\
+            def train(model, loader, optimizer):
+                for x, y in loader:
+                    model(x.type("torch.cuda.BFloat16Tensor"), y).backward()
+                    optimizer.step()
+            """,
+            "AMP001",
+        ),
+        (
+            """\
+            import torch
+
+
+            def step(model, x, y, criterion, scaler):
+                with torch.autocast("cuda"):
+                    out = model(x)
+                scaler.scale(criterion(out, y)).backward()
+            """,
+            "AMP002",
+        ),
+    ],
+    ids=["pad", "bfloat16-tensor-string", "criterion"],
+)
+def test_new_shapes_pass_the_pre_check(tmp_path, flake8, source, code):
+    path = tmp_path / "train_step.py"
+    path.write_text(textwrap.dedent(source))
+    result = flake8(["--isolated", "--select=AMP", path])
+    assert code in codes(result.stdout), result.stdout + result.stderr
 
 
 def test_analysis_failure_is_one_amp000_line_not_a_traceback():

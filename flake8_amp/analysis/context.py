@@ -16,11 +16,19 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, FrozenSet, Iterator, List, Optional
+from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import keyword_value, last_part, method_call, simple_name
+from flake8_amp.analysis.names import (
+    chain_root,
+    code_frame,
+    enclosing_class,
+    keyword_value,
+    last_part,
+    method_call,
+    simple_name,
+)
 
 NO_GRAD_CONTEXTS = frozenset(
     {
@@ -98,12 +106,21 @@ CHAIN_METHODS: FrozenSet[str] = frozenset(
     {"to", "cuda", "cpu", "type", "half", "bfloat16", "float", "eval", "train", "requires_grad_"}
 )
 
+COMPREHENSIONS = (nodes.ListComp, nodes.SetComp, nodes.DictComp, nodes.GeneratorExp)
+
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
 
 def name_words(name: str) -> List[str]:
     """``export_onnx`` -> [export, onnx]; ``ONNXExporter`` -> [onnx, exporter]."""
     return [word.lower() for word in _WORD.findall(name)]
+
+
+def named_for_training(name: str) -> bool:
+    """``train_one_epoch``, ``Trainer``, ``finetune``, ``fit`` / ``fit_one_cycle`` -- "fit"
+    only as the first word (``get_best_fit``, ``curve_fit`` fit something else)."""
+    words = name_words(name)
+    return words[:1] == ["fit"] or any(w in TRAINING_WORDS and w != "fit" for w in words)
 
 
 class GradContext:
@@ -119,7 +136,7 @@ class GradContext:
         self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
         self._training_scopes: Dict[nodes.NodeNG, bool] = {}
         self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
-        self._frozen_objects: Dict[nodes.NodeNG, FrozenSet[str]] = {}
+        self._frozen_objects: Dict[nodes.NodeNG, Tuple[FrozenSet[str], FrozenSet[str]]] = {}
 
     def no_grad_at(self, node: nodes.NodeNG) -> bool:
         """``node`` runs under no_grad / inference_mode / set_grad_enabled(False)."""
@@ -140,7 +157,7 @@ class GradContext:
         """``node`` is in code meant for inference, evaluation or export (see module doc)."""
         if self.file_is_inference:
             return True
-        scope = node.frame()
+        scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
@@ -154,11 +171,11 @@ class GradContext:
         method of its class) is named for training, calls ``.backward()`` /
         ``.zero_grad()``, or calls something named for training (``train_one_epoch()``,
         ``model.train()``)."""
-        scope = node.frame()
+        scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
-                if any(word in TRAINING_WORDS for word in name_words(current.name)):
+                if named_for_training(current.name):
                     return True
             current = current.parent
         if self._calls_training(scope):
@@ -167,7 +184,7 @@ class GradContext:
         if isinstance(owner, nodes.ClassDef):
             return any(
                 self._calls_training(method)
-                or any(w in TRAINING_WORDS for w in name_words(method.name))
+                or named_for_training(method.name)
                 for method in owner.mymethods()
             )
         return False
@@ -178,7 +195,7 @@ class GradContext:
         if scope not in self._training_scopes:
             called = self.called_names(scope)
             self._training_scopes[scope] = bool(TRAINING_CALLS.intersection(called)) or any(
-                word in TRAINING_WORDS for name in called for word in name_words(name)
+                named_for_training(name) for name in called
             )
         return self._training_scopes[scope]
 
@@ -195,15 +212,20 @@ class GradContext:
         (``m.requires_grad_(False)``, ``p.requires_grad = False`` for ``p`` in
         ``m.parameters()``, ``freeze_params(m.parameters())``, ``set_requires_grad(m,
         False)``, ``m.eval()`` with no ``m.train()``; ``m(x.half())``,
-        ``m.encode(x.half())``)."""
+        ``m.encode(x.half())``, ``m.load_state_dict({k: v.half() ...})``). A ``self.<x>``
+        object may be frozen when it is built (``self.target.eval()`` in ``__init__``) if
+        no method of the class trains it."""
         while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
             expr = expr.parent.parent
-        objects = {_object_key(_assign_target(expr))}
-        consumer = expr.parent
-        if isinstance(consumer, nodes.Call) and expr in consumer.args:
-            objects.add(_object_key(consumer.func))
+        objects = {object_key(assign_target(expr))}
+        fed = expr
+        while isinstance(fed.parent, COMPREHENSIONS) and fed is not fed.parent.generators[0].iter:
+            fed = fed.parent  # ``{k: v.half() for ...}`` is fed as a whole
+        consumer = fed.parent
+        if isinstance(consumer, nodes.Call) and fed in consumer.args:
+            objects.add(object_key(consumer.func))
             if isinstance(consumer.func, nodes.Attribute):
-                objects.add(_object_key(consumer.func.expr))
+                objects.add(object_key(consumer.func.expr))
         link = expr
         while True:
             if isinstance(link, nodes.Attribute) and link.attrname == "data":
@@ -213,27 +235,63 @@ class GradContext:
             if _is_detach(link) or _freezes(link):
                 return True
             link = link.func.expr
-        objects.add(_object_key(link))
-        frozen = self._frozen_in(expr.frame())
-        return any(key in frozen for key in objects if key)
+        objects.add(object_key(link))
+        frozen = self._frozen_in(code_frame(expr))
+        if any(key in frozen for key in objects if key):
+            return True
+        return any(key in self._frozen_when_built(expr) for key in objects if key)
+
+    def _frozen_when_built(self, node: nodes.NodeNG) -> FrozenSet[str]:
+        """``self.<x>`` objects that the ``__init__`` of ``node``'s class freezes and none of
+        its methods trains or puts back in train mode."""
+        owner = enclosing_class(node)
+        if owner is None or "__init__" not in owner.locals:
+            return frozenset()
+        methods = list(owner.mymethods())
+        built = [m for m in methods if m.name == "__init__"]
+        frozen = set().union(*(self._frozen_in(m) for m in built))
+        trained = set().union(*(self.trained_in(m) for m in methods))
+        return frozenset(key for key in frozen - trained if key.startswith("self."))
 
     def _frozen_in(self, scope: nodes.NodeNG) -> FrozenSet[str]:
         """Objects (as source text) that ``scope`` freezes and never trains: no
         ``m.train()``, no ``train_one_epoch(m, ...)``, no ``AdamW(m.parameters())``."""
+        return self._freezing(scope)[0]
+
+    def trained_in(self, scope: nodes.NodeNG) -> FrozenSet[str]:
+        """Objects (as source text) that ``scope`` trains: ``m.train()``,
+        ``train_one_epoch(m, ...)``, ``AdamW(m.parameters())``."""
+        return self._freezing(scope)[1]
+
+    def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str]]:
+        """(frozen, trained) objects of ``scope``: ``m.train()`` undoes ``m.eval()`` but not
+        ``m.requires_grad_(False)`` (LoRA freezes the base model and trains adapters in it);
+        an optimizer over ``m.parameters()`` or ``train_one_epoch(m)`` undoes both."""
         if scope not in self._frozen_objects:
-            frozen, trained = set(), set()
+            without_grad, in_eval, in_train_mode, trained = set(), set(), set(), set()
             for node in scope_nodes(scope):
                 if _chain_call(node) and _freezes(node):
-                    frozen.add(node.func.expr.as_string())
+                    frozen = in_eval if node.func.attrname == "eval" else without_grad
+                    frozen.update(
+                        {
+                            node.func.expr.as_string(),
+                            object_key(chain_root(node.func.expr, CHAIN_METHODS)),
+                            object_key(assign_target(node)),
+                        }
+                    )
                 elif isinstance(node, nodes.Call) and _freezing_helper(node):
-                    frozen.update(_object_key(_parameters_owner(arg)) for arg in node.args)
+                    without_grad.update(object_key(_parameters_owner(arg)) for arg in node.args)
                 elif _chain_call(node) and node.func.attrname == "train":
-                    trained.add(node.func.expr.as_string())
+                    in_train_mode.add(node.func.expr.as_string())
                 elif isinstance(node, nodes.Call):
                     trained.update(_trained_arguments(node))
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
-                    frozen.add(node.iter.func.expr.as_string())
-            self._frozen_objects[scope] = frozenset(frozen - trained)
+                    without_grad.add(node.iter.func.expr.as_string())
+            frozen_objects = (without_grad - trained) | (in_eval - trained - in_train_mode)
+            self._frozen_objects[scope] = (
+                frozenset(frozen_objects - {""}),
+                frozenset(trained | in_train_mode),
+            )
         return self._frozen_objects[scope]
 
     def not_training_at(self, node: nodes.NodeNG) -> bool:
@@ -318,11 +376,11 @@ def _freezing_helper(call: nodes.Call) -> bool:
 def _trained_arguments(call: nodes.Call) -> Iterator[str]:
     """Objects ``call`` trains: ``m`` in ``optimizer_cls(m.parameters())`` or in a call
     named for training (``train_one_epoch(m, loader)``)."""
-    training = any(word in TRAINING_WORDS for word in name_words(simple_name(call.func)))
+    training = named_for_training(simple_name(call.func))
     for arg in call.args:
         owner = _parameters_owner(arg)
         if owner is not arg or training:
-            yield _object_key(owner)
+            yield object_key(owner)
 
 
 def _parameters_owner(arg: nodes.NodeNG) -> nodes.NodeNG:
@@ -348,7 +406,7 @@ def _freezes_parameters(loop: nodes.For) -> bool:
     return False
 
 
-def _assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+def assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     """``t`` in ``t = expr`` (a name or attribute), if ``expr`` is assigned to one."""
     parent = expr.parent
     if isinstance(parent, nodes.Assign) and parent.value is expr and len(parent.targets) == 1:
@@ -356,11 +414,11 @@ def _assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     return None
 
 
-def _object_key(expr: Optional[nodes.NodeNG]) -> str:
+def object_key(expr: Optional[nodes.NodeNG]) -> str:
     """``teacher`` / ``self.teacher`` as written (assignment targets included); '' else."""
     if isinstance(expr, (nodes.Name, nodes.AssignName)):
         return expr.name
     if isinstance(expr, (nodes.Attribute, nodes.AssignAttr)):
-        base = _object_key(expr.expr)
+        base = object_key(expr.expr)
         return f"{base}.{expr.attrname}" if base else ""
     return ""

@@ -2,12 +2,18 @@
 
 Kinds: ``fp32`` (fp32 or wider), ``fp16``, ``bf16``, ``low`` (one of fp16/bf16, which one
 unknown), ``int`` (not floating point), or None (unknown). Sources of knowledge: factory
-calls with ``dtype=``, casts (``.half()``, ``.bfloat16()``, ``.float()``, ``.to(dtype)``,
-``.type(torch.HalfTensor)``), and the per-op rules of autocast inside an enabled region
-(matmul/linear/conv and ``nn.Linear``/``nn.Conv*`` modules produce the region's dtype;
-ops on autocast's fp32 list produce fp32 — per device, from PyTorch's published lists).
-Knowledge flows through names (per function, the assignment that reaches the use),
-arithmetic, indexing and dtype-preserving methods. A generic model call is unknown.
+calls with ``dtype=``, conversions (:meth:`Dtypes.cast_target`: ``.half()``, ``.float()``,
+``.to(dtype)``, ``.to(other)``, ``.type("torch.cuda.HalfTensor")``, ``.type_as(other)``,
+dtypes named by constants), and the per-op rules of autocast inside a region (matmul/
+linear/conv and ``nn.Linear``/``nn.Conv*`` modules produce the region's dtype; ops on
+autocast's fp32 list produce fp32 — per device, from PyTorch's published lists; a region
+enabled by a flag counts as on, so kinds describe the run with mixed precision on).
+Knowledge flows through names (per function, the assignments that reach the use),
+``self.<x>`` attributes (when every assignment in the class agrees), tuple
+unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
+parameter's default, take the tensor's dtype; fp32 wins over any other operand),
+indexing, dtype-preserving methods and the return values of the module's functions. A
+generic model call is unknown.
 """
 
 from __future__ import annotations
@@ -16,8 +22,17 @@ from typing import Dict, FrozenSet, Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import Callee, assigned_value, keyword_value, last_part
-from flake8_amp.analysis.regions import BF16, CPU, FP16, Region
+from flake8_amp.analysis.constants import numeric_constant
+from flake8_amp.analysis.names import (
+    Callee,
+    assigned_value,
+    is_self,
+    keyword_value,
+    last_part,
+    method_call,
+    unpacked_value,
+)
+from flake8_amp.analysis.regions import BF16, CPU, FP16, Region, returned_values
 
 FP32, LOW, INT = "fp32", "low", "int"
 LOW_KINDS = frozenset({FP16, BF16, LOW})
@@ -50,6 +65,8 @@ TENSOR_TYPES: Dict[str, str] = {
     "BoolTensor": INT,
     "ByteTensor": INT,
 }
+#: ``torch.float16`` spelled as a string (``x.type("torch.cuda.HalfTensor")``), less prefixes.
+DTYPE_STRINGS: Dict[str, str] = {"float16": FP16, "half": FP16, "bfloat16": BF16, "float32": FP32}
 CAST_METHODS: Dict[str, str] = {
     "half": FP16,
     "bfloat16": BF16,
@@ -69,7 +86,9 @@ PRESERVING: FrozenSet[str] = frozenset(
     select index_select gather masked_fill masked_fill_ where flip roll chunk split
     relu gelu silu tanh sigmoid clamp clamp_ clip sqrt square sin cos dropout pad
     cuda cpu pin_memory requires_grad_ add add_ sub sub_ mul mul_ div div_ maximum minimum
-    max min amax amin cat stack concat mean var std nanmean median logsumexp""".split()
+    max min amax amin cat stack concat mean var std nanmean median logsumexp interpolate
+    avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d
+    adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -100,6 +119,15 @@ LOW_PRECISION_MODULES: FrozenSet[str] = frozenset(
     for name in """Linear Bilinear LazyLinear Conv1d Conv2d Conv3d
     ConvTranspose1d ConvTranspose2d ConvTranspose3d""".split()
 )
+#: Methods converting to the dtype named by (or of) their argument.
+CONVERSIONS = frozenset({"to", "type", "type_as"})
+#: Ops returning ``(values, indices)``: values keep the input's dtype.
+VALUES_AND_INDICES: FrozenSet[str] = frozenset(
+    "topk max min sort kthvalue mode median nanmedian cummax cummin".split()
+)
+#: Builtins and tensor methods returning Python numbers, which take a tensor's dtype.
+NUMBER_BUILTINS = frozenset({"len", "float", "int", "round"})
+NUMBER_METHODS = frozenset({"item", "size", "numel", "dim"})
 _ARITHMETIC = frozenset({"+", "-", "*", "/"})
 _MAX_DEPTH = 12
 
@@ -123,18 +151,48 @@ class Dtypes:
         self._cache: Dict[nodes.NodeNG, Optional[str]] = {}
 
     def constant(self, expr: Optional[nodes.NodeNG]) -> Optional[str]:
-        """The kind a dtype expression names (``torch.float16`` -> "fp16"); None if unknown."""
+        """The kind a dtype expression names (``torch.float16``, ``"torch.cuda.HalfTensor"``,
+        a name bound to either) -> "fp16"; None if unknown."""
         if expr is None:
             return None
         if isinstance(expr, nodes.Const) and isinstance(expr.value, str):
-            return {"float16": FP16, "half": FP16, "bfloat16": BF16, "float32": FP32}.get(
-                expr.value
-            )
+            name = expr.value.removeprefix("torch.").removeprefix("cuda.")
+            return DTYPE_STRINGS.get(name) or TENSOR_TYPES.get(name)
         qualname = self.names.qualname(expr) or ""
         if qualname in DTYPE_CONSTANTS:
             return DTYPE_CONSTANTS[qualname]
         if qualname.startswith("torch.") and last_part(qualname) in TENSOR_TYPES:
             return TENSOR_TYPES[last_part(qualname)]
+        if isinstance(expr, nodes.Name) and not qualname:
+            values = self.names.assigned_values(expr) or []
+            if len(values) == 1 and isinstance(values[0], nodes.Const):
+                return self.constant(values[0])
+        return None
+
+    def cast_target(self, call: nodes.Call) -> Optional[str]:
+        """The kind a conversion converts to: ``.half()``, ``.to(torch.float16)``, ``.to(device,
+        dtype=HALF)``, ``.type("torch.cuda.HalfTensor")``, ``.to(other)`` / ``.type_as(other)``
+        for a tensor of known dtype; None for moves (``.to(device)``) and other calls."""
+        method, receiver = method_call(call)
+        if receiver is None:
+            return None
+        if method in CAST_METHODS:
+            return CAST_METHODS[method] if not call.args and not call.keywords else None
+        if method not in CONVERSIONS:
+            return None
+        if method == "type_as":
+            return self.of(call.args[0]) if len(call.args) == 1 else None
+        dtype = keyword_value(call, "dtype") or keyword_value(call, "dst_type")
+        if dtype is not None:
+            return self.constant(dtype)
+        for arg in call.args:
+            if method == "to" and isinstance(arg, nodes.Const):
+                continue  # strings given to ``.to`` are devices
+            kind = self.constant(arg)
+            if kind is None and method == "to" and not _is_device(arg):
+                kind = self.of(arg)  # ``x.to(other)``: other's dtype (and device)
+            if kind is not None:
+                return kind
         return None
 
     def of(self, expr: nodes.NodeNG) -> Optional[str]:
@@ -164,6 +222,10 @@ class Dtypes:
             return self._of(expr.value, depth)
         if isinstance(expr, nodes.Attribute) and expr.attrname in ("T", "mT", "H", "data", "grad"):
             return self._of(expr.expr, depth)
+        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            # ``self.model`` after ``self.model = model.half()``: every method must agree.
+            kinds = {self._of(value, depth) for value in self.names.self_attribute_values(expr)}
+            return kinds.pop() if len(kinds) == 1 else None
         if isinstance(expr, nodes.IfExp):
             kinds = {self._of(expr.body, depth), self._of(expr.orelse, depth)}
             return kinds.pop() if len(kinds) == 1 else None
@@ -171,20 +233,30 @@ class Dtypes:
 
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
         statement = name.statement()
-        values = []
-        for binding in self.names.bindings(name):
+        kinds = set()
+        for binding in self.names.reaching_bindings(name):
             if binding.statement() is statement:
                 continue  # ``x = x.half()``: the right-hand ``x`` is the earlier value
-            values.append(binding)
-        if not values:
-            return None
-        kinds = set()
-        for binding in values:
             value = assigned_value(binding)
-            if value is None:
+            kinds.add(
+                self._of(value, depth) if value is not None else self._unpacked(binding, depth)
+            )
+            if None in kinds:
                 return None
-            kinds.add(self._of(value, depth))
         return kinds.pop() if len(kinds) == 1 else None
+
+    def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
+        """``a, b = x.half(), y`` (the element) or ``top, idx = x.topk(k)`` (x's dtype, ints)."""
+        unpacked = unpacked_value(binding)
+        if unpacked is None:
+            return None
+        value, index = unpacked
+        if isinstance(value, (nodes.Tuple, nodes.List)):
+            return self._of(value.elts[index], depth)
+        method, receiver = method_call(value) if isinstance(value, nodes.Call) else ("", None)
+        if method in VALUES_AND_INDICES and receiver is not None and index < 2:
+            return INT if index == 1 else self._of(receiver, depth)
+        return None
 
     def _binop(self, expr: nodes.BinOp, depth: int) -> Optional[str]:
         if expr.op == "@":
@@ -196,19 +268,57 @@ class Dtypes:
         return self._promote(expr.left, expr.right, depth)
 
     def _promote(self, left: nodes.NodeNG, right: nodes.NodeNG, depth: int) -> Optional[str]:
-        """Type promotion of a binary op; Python numbers take the tensor's dtype."""
-        if _is_number(left):
+        """Type promotion of a binary op: Python numbers take the tensor's dtype; fp32 wins
+        over any other operand (taken to be a tensor of the same or a narrower dtype)."""
+        if self.is_number(left):
             return self._of(right, depth)
-        if _is_number(right):
+        if self.is_number(right):
             return self._of(left, depth)
         kinds = {self._of(left, depth), self._of(right, depth)}
+        if FP32 in kinds:
+            return FP32
         if None in kinds:
             return None
         if len(kinds) == 1:
             return kinds.pop()
-        if FP32 in kinds:
-            return FP32
+        if INT in kinds:
+            return (kinds - {INT}).pop()
         return FP32 if kinds == {FP16, BF16} else None
+
+    def is_number(self, expr: nodes.NodeNG, _depth: int = 4) -> bool:
+        """A Python number (or 0-dim tensor of one): a literal, a name or ``self.<x>`` bound
+        only to numbers, a parameter defaulting to one (``temperature=0.05``), sizes
+        (``B, N, C = x.shape``, ``x.size(0)``, ``len()``), ``math.*``, arithmetic of these."""
+        if _depth <= 0:
+            return False
+        if numeric_constant(expr, self.names) is not None:
+            return True
+        if isinstance(expr, nodes.Name):
+            default = self.names.parameter_default(expr)
+            if default is not None:
+                return numeric_constant(default, self.names) is not None
+            bindings = self.names.reaching_bindings(expr)
+            return bool(bindings) and all(self._binds_number(b, _depth) for b in bindings)
+        if isinstance(expr, nodes.Attribute):
+            values = self.names.bound_values(expr)
+            return bool(values) and all(self.is_number(v, _depth - 1) for v in values)
+        if isinstance(expr, nodes.Subscript):
+            return _is_shape(expr.value)
+        if isinstance(expr, nodes.BinOp):
+            return self.is_number(expr.left, _depth - 1) and self.is_number(expr.right, _depth - 1)
+        if isinstance(expr, nodes.Call):
+            if isinstance(expr.func, nodes.Name) and not self.names.bindings(expr.func):
+                return expr.func.name in NUMBER_BUILTINS
+            qualname = self.names.qualname(expr.func) or ""
+            return qualname.startswith("math.") or method_call(expr)[0] in NUMBER_METHODS
+        return False
+
+    def _binds_number(self, binding: nodes.NodeNG, depth: int) -> bool:
+        value = assigned_value(binding)
+        if value is not None:
+            return self.is_number(value, depth - 1)
+        unpacked = unpacked_value(binding)
+        return unpacked is not None and _is_shape(unpacked[0])
 
     def _call(self, call: nodes.Call, depth: int) -> Optional[str]:
         explicit = self.constant(keyword_value(call, "dtype"))
@@ -224,7 +334,16 @@ class Dtypes:
             return self._torch_function(call, callee, depth)
         if isinstance(func, nodes.Attribute) and callee is None:
             return self._method(call, func, depth)
+        if isinstance(func, nodes.Name):
+            return self._returned(call, depth)
         return None
+
+    def _returned(self, call: nodes.Call, depth: int) -> Optional[str]:
+        """What a function of this module returns (``def build(): return Net().half()``)."""
+        function = self.names.local_function(call)
+        returns = returned_values(function) if function is not None else None
+        kinds = {self._of(value, depth) for value in returns or ()}
+        return kinds.pop() if len(kinds) == 1 else None
 
     def _torch_function(self, call: nodes.Call, callee: Callee, depth: int) -> Optional[str]:
         op = callee.name
@@ -241,20 +360,12 @@ class Dtypes:
         method = func.attrname
         if method in CAST_METHODS and not call.args:
             return CAST_METHODS[method]
-        if method == "to":
-            return self._to(call, func, depth)
-        if method == "type" and call.args:
-            return self.constant(call.args[0])
+        if method in CONVERSIONS:
+            target = self.cast_target(call)
+            if target is None and method == "to" and all(_is_device(a) for a in call.args):
+                return self._of(func.expr, depth)
+            return target
         return self._op(call, method, self._of(func.expr, depth))
-
-    def _to(self, call: nodes.Call, func: nodes.Attribute, depth: int) -> Optional[str]:
-        for arg in call.args:
-            kind = self.constant(arg)
-            if kind is not None:
-                return kind
-        if all(_is_device(arg) for arg in call.args):
-            return self._of(func.expr, depth)
-        return None
 
     def _op(self, call: nodes.Call, op: str, input_kind: Optional[str]) -> Optional[str]:
         if op in LOW_PRECISION_OPS or op in CUDA_FP32_OPS or op in CPU_FP32_OPS:
@@ -266,10 +377,12 @@ class Dtypes:
     def _autocast_output(
         self, node: nodes.NodeNG, op: str, input_kind: Optional[str]
     ) -> Optional[str]:
-        """Output kind of ``op`` at ``node``: autocast's choice in a region, else the input's."""
+        """Output kind of ``op`` at ``node``: autocast's choice in a region (one enabled by a
+        flag counts as on: kinds describe the program with mixed precision on), else the
+        input's."""
         region = self.regions.autocast_at(node)
-        if region is None or region.enabled is None:
-            return input_kind if op not in LOW_PRECISION_OPS or region is None else None
+        if region is None:
+            return input_kind
         if op in LOW_PRECISION_OPS:
             return region.dtype or LOW
         if autocast_fp32_op(op, region):
@@ -277,14 +390,11 @@ class Dtypes:
         return input_kind
 
 
-def _is_number(expr: nodes.NodeNG) -> bool:
-    if isinstance(expr, nodes.UnaryOp):
-        expr = expr.operand
-    return (
-        isinstance(expr, nodes.Const)
-        and isinstance(expr.value, (int, float))
-        and not isinstance(expr.value, bool)
-    )
+def _is_shape(expr: nodes.NodeNG) -> bool:
+    """``x.shape`` or ``x.size()``: sizes are Python ints."""
+    if isinstance(expr, nodes.Attribute):
+        return expr.attrname == "shape"
+    return isinstance(expr, nodes.Call) and method_call(expr)[0] == "size" and not expr.args
 
 
 def _is_device(arg: nodes.NodeNG) -> bool:

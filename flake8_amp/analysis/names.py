@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from astroid import nodes
 from astroid.manager import AstroidManager
@@ -115,6 +115,60 @@ class Names:
                 by_name.setdefault(name, []).append(call)
         return by_name
 
+    def local_function(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
+        """The function or method (``self.f(...)``) of this module that ``call`` calls."""
+        func = call.func
+        if isinstance(func, nodes.Name):
+            definitions = self.bindings(func)
+        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
+            owner = enclosing_class(call)
+            definitions = [m for m in owner.mymethods() if m.name == func.attrname] if owner else []
+        else:
+            return None
+        if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
+            return None
+        return definitions[0]
+
+    def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
+        """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its class."""
+        return [
+            call
+            for call in self.calls_by_name.get(function.name, ())
+            if self.local_function(call) is function
+        ]
+
+    def argument_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
+        """What the parameter ``name`` receives: the argument at every call site of its
+        function in this module (by position or keyword; the default where one is omitted).
+        None if it is not a parameter, has no call site, or a site passes ``*args``."""
+        bindings = self.bindings(name)
+        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
+            return None
+        arguments = bindings[0].parent
+        function = arguments.parent
+        sites = self.call_sites(function) if isinstance(function, nodes.FunctionDef) else []
+        if not sites:
+            return None
+        positional = [a.name for a in arguments.posonlyargs + arguments.args]
+        if sites and isinstance(sites[0].func, nodes.Attribute):
+            positional = positional[1:]  # ``self.f(...)`` binds ``self``
+        values = []
+        for call in sites:
+            if any(isinstance(a, nodes.Starred) for a in call.args) or any(
+                kw.arg is None for kw in call.keywords or ()
+            ):
+                return None
+            value = keyword_value(call, name.name)
+            if value is None and name.name in positional:
+                index = positional.index(name.name)
+                value = call.args[index] if index < len(call.args) else None
+            if value is None:
+                value = self.parameter_default(name)
+            if value is None:
+                return None
+            values.append(value)
+        return values
+
     # -- assignments -------------------------------------------------------------------
 
     def bindings(self, name: nodes.Name) -> List[nodes.NodeNG]:
@@ -148,6 +202,25 @@ class Names:
             return bindings
         start, end = _position(last), _position(name)
         return [b for b in bindings if b is last or start < _position(b) < end]
+
+    def parameter_default(self, name: nodes.Name) -> Optional[nodes.NodeNG]:
+        """The default value of the parameter ``name`` is bound by (and nothing else), if any."""
+        bindings = self.bindings(name)
+        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
+            return None
+        try:
+            return bindings[0].parent.default_value(name.name)
+        except Exception:  # astroid's NoDefault
+            return None
+
+    def bound_values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """What a variable (:meth:`assigned_values`) or a ``self.<x>`` attribute (in any
+        method of its class) is assigned; None for other expressions or unknown bindings."""
+        if isinstance(expr, nodes.Name):
+            return self.assigned_values(expr)
+        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            return self.self_attribute_values(expr)
+        return None
 
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
@@ -224,12 +297,7 @@ class Names:
         if isinstance(expr, nodes.Call):
             callee = self.callee(expr, _depth + 1)
             return callee.qualname if callee is not None and not callee.instance else None
-        if isinstance(expr, nodes.Name):
-            values = self.assigned_values(expr)
-        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            values = self.self_attribute_values(expr)
-        else:
-            return None
+        values = self.bound_values(expr)
         if not values:
             return None
         classes = {
@@ -238,27 +306,32 @@ class Names:
         }
         return classes.pop() if len(classes) == 1 else None
 
-    def local_class(self, expr: nodes.NodeNG) -> Optional[nodes.ClassDef]:
+    def local_class(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[nodes.ClassDef]:
         """The class defined in this module whose call built ``expr``'s object, if any
-        (``Net(...)``, ``model`` after ``model = Net(...)``, ``self.criterion`` after
-        ``self.criterion = DiceLoss()``)."""
+        (``Net(...)``, ``model`` after ``model = Net(...).to(device)``, ``self.criterion``
+        after ``self.criterion = DiceLoss()``)."""
+        if _depth > _MAX_DEPTH:
+            return None
+        if isinstance(expr, nodes.Call):
+            expr = chain_root(expr, _RETURNS_SELF)
         if isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Name):
             classes = [b for b in self.bindings(expr.func) if isinstance(b, nodes.ClassDef)]
             return classes[0] if len(classes) == 1 else None
         if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
             values = self.self_attribute_values(expr)
-            built = {self.local_class(v) if isinstance(v, nodes.Call) else None for v in values}
-            return built.pop() if len(built) == 1 else None
-        if not isinstance(expr, nodes.Name):
+        elif isinstance(expr, nodes.Name):
+            statement = expr.statement()
+            values = [
+                assigned_value(binding)
+                for binding in self.bindings(expr)
+                if binding.statement() is not statement
+            ]
+        else:
             return None
-        statement = expr.statement()
-        found = set()
-        for binding in self.bindings(expr):
-            if binding.statement() is statement:
-                continue
-            value = assigned_value(binding)
-            found.add(self.local_class(value) if isinstance(value, nodes.Call) else None)
-        return found.pop() if len(found) == 1 else None
+        built = {
+            self.local_class(v, _depth + 1) if isinstance(v, nodes.Call) else None for v in values
+        }
+        return built.pop() if len(built) == 1 else None
 
     def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
         """Values assigned to ``self.<attr>`` anywhere in the enclosing class's methods."""
@@ -310,12 +383,7 @@ class Names:
         return None
 
     def _partial_binding(self, func: nodes.NodeNG, depth: int) -> Optional[Callee]:
-        if isinstance(func, nodes.Name):
-            values = self.assigned_values(func)
-        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
-            values = self.self_attribute_values(func)
-        else:
-            return None
+        values = self.bound_values(func)
         if not values or len(values) != 1 or not isinstance(values[0], nodes.Call):
             return None
         return self.partial_target(values[0])
@@ -440,11 +508,59 @@ def assigned_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     return None
 
 
+def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
+    """For ``a, b = value``: ``(value, position of binding)``; None for other bindings and
+    for unpacking with a starred target."""
+    target = binding.parent
+    statement = target.parent if isinstance(target, (nodes.Tuple, nodes.List)) else None
+    if not isinstance(statement, nodes.Assign) or target not in statement.targets:
+        return None
+    if any(isinstance(element, nodes.Starred) for element in target.elts):
+        return None
+    position = target.elts.index(binding)
+    value = statement.value
+    if isinstance(value, (nodes.Tuple, nodes.List)) and len(value.elts) != len(target.elts):
+        return None
+    return value, position
+
+
+def code_frame(node: nodes.NodeNG) -> nodes.NodeNG:
+    """The function, class or module whose code ``node`` runs as part of: a lambda belongs
+    to the code that defines it (``tree_map(lambda t: t.half(), batch)`` in a train step)."""
+    frame = node.frame()
+    while isinstance(frame, nodes.Lambda) and not isinstance(frame, nodes.FunctionDef):
+        frame = frame.parent.frame()
+    return frame
+
+
+def bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """The value assigned to ``binding``: also an element of tuple unpacking (``a, b = f()``:
+    ``f()``; ``a, b = x, y``: ``x``), the added term of ``loss += term``, and the iterable a
+    loop or comprehension target comes from (``for a in aux_outputs``)."""
+    value = assigned_value(binding)
+    if value is not None:
+        return value
+    unpacked = unpacked_value(binding)
+    if unpacked is not None:
+        value, index = unpacked
+        return value.elts[index] if isinstance(value, (nodes.Tuple, nodes.List)) else value
+    parent = binding.parent
+    if isinstance(parent, nodes.AugAssign):
+        return parent.value
+    if isinstance(parent, (nodes.For, nodes.Comprehension)) and parent.target is binding:
+        return parent.iter
+    while isinstance(parent, (nodes.Tuple, nodes.List, nodes.Starred)):
+        parent = parent.parent
+    if isinstance(parent, nodes.Assign):
+        return parent.value
+    return None
+
+
 def is_self(expr: nodes.NodeNG) -> bool:
     """``expr`` is the first parameter of the method it appears in (``self``)."""
     if not isinstance(expr, nodes.Name):
         return False
-    function = expr.frame()
+    function = code_frame(expr)
     if not isinstance(function, nodes.FunctionDef) or not isinstance(
         function.parent, nodes.ClassDef
     ):
@@ -460,7 +576,7 @@ def is_self(expr: nodes.NodeNG) -> bool:
 
 def enclosing_class(node: nodes.NodeNG) -> Optional[nodes.ClassDef]:
     """The class whose method contains ``node``."""
-    function = node.frame()
+    function = code_frame(node)
     if isinstance(function, nodes.FunctionDef) and isinstance(function.parent, nodes.ClassDef):
         return function.parent
     return None
@@ -473,6 +589,31 @@ def simple_name(expr: nodes.NodeNG) -> str:
     if isinstance(expr, nodes.Attribute):
         return expr.attrname
     return ""
+
+
+def attribute_not_in(func: nodes.NodeNG, names: frozenset) -> bool:
+    """``func`` is ``x.<name>`` with a name outside ``names`` (bare names may be aliases)."""
+    return isinstance(func, nodes.Attribute) and func.attrname not in names
+
+
+def chain_root(
+    expr: nodes.NodeNG, methods: FrozenSet[str], attributes: bool = False
+) -> nodes.NodeNG:
+    """The object a chain of indexing, calls of ``methods`` (and, with ``attributes``,
+    attribute access) starts from: ``x`` for ``x["model"].cuda().half()``."""
+    while True:
+        if isinstance(expr, nodes.Subscript):
+            expr = expr.value
+        elif attributes and isinstance(expr, nodes.Attribute):
+            expr = expr.expr
+        elif (
+            isinstance(expr, nodes.Call)
+            and isinstance(expr.func, nodes.Attribute)
+            and expr.func.attrname in methods
+        ):
+            expr = expr.func.expr
+        else:
+            return expr
 
 
 def keyword_value(call: nodes.Call, name: str) -> Optional[nodes.NodeNG]:

@@ -5,9 +5,13 @@ autocast (``torch.autocast``, ``torch.amp.autocast``, the deprecated ``torch.cud
 / ``torch.cpu.amp`` spellings, ``--amp-autocast-functions``, ``functools.partial``
 aliases of these, project wrappers and methods whose name contains ``autocast`` such as
 ``accelerator.autocast()``), or by a context variable bound to one
-(``ctx = nullcontext() if cpu else torch.amp.autocast(...)``; ``with ctx:``). A function
-defined in the module and called only from inside regions inherits the region (so does
-``Net.forward`` when every ``model = Net(...)`` instance is called only inside regions).
+(``ctx = nullcontext() if cpu else torch.amp.autocast(...)``; ``with ctx:``), or by a
+context parameter that every call site in the module passes one (``def train(...,
+amp_ctx): with amp_ctx:``). A function defined in the module and called only from inside
+regions inherits the region (so does ``Net.forward`` when every ``model = Net(...)``
+instance is called only inside regions; asked ``with_grad``, only call sites where
+gradients are on count). Each region knows its ``source``: the autocast expression whose
+arguments name its dtype, the line to change.
 ``enabled=False`` opens an island where autocast is off (tensors arriving in fp16 stay
 fp16), as do wrappers named for turning it off (``disable_autocast()``). A variable
 merely named ``ctx`` is not autocast.
@@ -15,16 +19,14 @@ merely named ``ctx`` is not autocast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Set
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Set, Tuple
 
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import (
     Callee,
-    enclosing_class,
-    is_self,
     keyword_value,
     last_part,
     simple_name,
@@ -61,6 +63,9 @@ class Region:
     device: Optional[str]
     #: "fp16", "bf16", or None when unknown.
     dtype: Optional[str]
+    #: The autocast expression where its arguments are written (the ``torch.autocast(...)``
+    #: call, the ``partial(...)`` holding ``dtype=``): the line to change.
+    source: Optional[nodes.NodeNG] = None
 
     @property
     def active(self) -> bool:
@@ -75,20 +80,24 @@ class Regions:
         self.context = context
         self.names = context.names
         self._opened: Dict[nodes.NodeNG, Optional[Region]] = {}
-        self._inherited: Dict[nodes.NodeNG, Optional[Region]] = {}
+        self._inherited: Dict[Tuple[nodes.NodeNG, bool], Optional[Region]] = {}
         extra = context.options.autocast_functions
         self._extra_qualnames = frozenset(name for name in extra if "." in name)
         self._extra_names = frozenset(last_part(name) for name in extra)
 
     # -- public queries ----------------------------------------------------------------
 
-    def region_at(self, node: nodes.NodeNG) -> Optional[Region]:
-        """The innermost region enclosing ``node`` (including ``enabled=False`` islands)."""
-        return self._region_at(node, set())
+    def region_at(self, node: nodes.NodeNG, with_grad: bool = False) -> Optional[Region]:
+        """The innermost region enclosing ``node`` (including ``enabled=False`` islands).
 
-    def autocast_at(self, node: nodes.NodeNG) -> Optional[Region]:
+        ``with_grad``: a region a function inherits from its callers counts only through
+        call sites where gradients are on (a backward reached from ``no_grad`` code only
+        cannot run; a BCE call there still raises, so this is the caller's choice)."""
+        return self._region_at(node, set(), with_grad)
+
+    def autocast_at(self, node: nodes.NodeNG, with_grad: bool = False) -> Optional[Region]:
         """The region if autocast is (or may be) on at ``node``; None if off or outside."""
-        region = self.region_at(node)
+        region = self.region_at(node, with_grad)
         return region if region is not None and region.active else None
 
     def opened_by(self, node: nodes.NodeNG) -> Optional[Region]:
@@ -101,23 +110,9 @@ class Regions:
         """The active region that the same-module function ``call`` calls opens around its
         whole body (``@torch.autocast(...)`` on its ``def``): what it returns was made
         under autocast, wherever the call is."""
-        definition = self.called_function(call)
+        definition = self.names.local_function(call)
         region = self.opened_by(definition) if definition is not None else None
         return region if region is not None and region.active else None
-
-    def called_function(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        """The function or method (``self.f(...)``) of this module that ``call`` calls."""
-        func = call.func
-        if isinstance(func, nodes.Name):
-            definitions = self.names.bindings(func)
-        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
-            owner = enclosing_class(call)
-            definitions = [m for m in owner.mymethods() if m.name == func.attrname] if owner else []
-        else:
-            return None
-        if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
-            return None
-        return definitions[0]
 
     def spec(self, expr: nodes.NodeNG) -> Optional[Region]:
         """The region the context-manager expression ``expr`` would open, if autocast."""
@@ -125,7 +120,9 @@ class Regions:
 
     # -- enclosure ---------------------------------------------------------------------
 
-    def _region_at(self, node: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> Optional[Region]:
+    def _region_at(
+        self, node: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
+    ) -> Optional[Region]:
         child, parent = node, node.parent
         while parent is not None:
             if isinstance(parent, nodes.With) and not _is_with_item(parent, child):
@@ -134,51 +131,45 @@ class Regions:
                     return region
             elif isinstance(parent, (nodes.FunctionDef, nodes.Lambda)) and _in_body(parent, child):
                 region = self.opened_by(parent)
-                return region if region is not None else self._inherited_region(parent, visiting)
+                if region is not None:
+                    return region
+                return self._inherited_region(parent, visiting, with_grad)
             elif isinstance(parent, nodes.ClassDef):
                 return None
             child, parent = parent, parent.parent
         return None
 
     def _inherited_region(
-        self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG]
+        self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
     ) -> Optional[Region]:
         """The region of every same-module call site of ``function``, if they all agree."""
         if not isinstance(function, nodes.FunctionDef):
             return None
-        if function in self._inherited:
-            return self._inherited[function]
+        key = (function, with_grad)
+        if key in self._inherited:
+            return self._inherited[key]
         if function in visiting:
             return None
         visiting.add(function)
-        regions = [self._region_at(call, visiting) for call in self._call_sites(function)]
+        sites = self._call_sites(function)
+        if with_grad:
+            sites = [call for call in sites if not self.context.grad.no_grad_at(call)]
+        regions = [self._region_at(call, visiting, with_grad) for call in sites]
         inherited = None
         if regions and all(r is not None and r.active for r in regions):
             inherited = regions[0]
-        self._inherited[function] = inherited
+        self._inherited[key] = inherited
         return inherited
 
     def _call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
-        calls_by_name = self.names.calls_by_name
+        sites = self.names.call_sites(function)
         owner = function.parent
-        sites = []
-        for call in calls_by_name.get(function.name, ()):
-            func = call.func
-            if isinstance(owner, nodes.ClassDef):
-                if (
-                    isinstance(func, nodes.Attribute)
-                    and is_self(func.expr)
-                    and enclosing_class(call) is owner
-                ):
-                    sites.append(call)
-            elif isinstance(func, nodes.Name) and function in self.names.bindings(func):
-                sites.append(call)
         if function.name == "forward" and isinstance(owner, nodes.ClassDef):
             # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module
             # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``).
             sites.extend(
                 call
-                for calls in calls_by_name.values()
+                for calls in self.names.calls_by_name.values()
                 for call in calls
                 if self.names.local_class(call.func) is owner
             )
@@ -206,7 +197,7 @@ class Regions:
     def _custom_fwd(self, decorator: nodes.NodeNG, owner: nodes.NodeNG) -> Optional[Region]:
         if isinstance(decorator, nodes.Call) and self.names.qualname(decorator.func) in CUSTOM_FWD:
             if any(kw.arg == "cast_inputs" for kw in decorator.keywords or ()):
-                return Region(owner, False, None, None)
+                return Region(owner, False, None, None, decorator)
         return None
 
     def _spec(self, expr: nodes.NodeNG, owner: nodes.NodeNG, depth: int) -> Optional[Region]:
@@ -226,16 +217,16 @@ class Regions:
                 # A decorator such as ``@torch.autocast`` is not a region without a call.
                 if _is_decorator(expr):
                     return None
-                return Region(owner, _wrapper_enabled(simple_name(expr), None), None, None)
+                return Region(owner, _wrapper_enabled(simple_name(expr), None), None, None, expr)
         return None
 
     def _values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
-        """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned."""
-        if isinstance(expr, nodes.Name):
-            return self.names.assigned_values(expr)
-        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            return self.names.self_attribute_values(expr)
-        return None
+        """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned, or what
+        a parameter (``def train(..., amp_ctx)``) receives at its call sites."""
+        values = self.names.bound_values(expr)
+        if not values and isinstance(expr, nodes.Name):
+            return self.names.argument_values(expr)
+        return values
 
     def _returned_values(self, func: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """The values a function defined in this module returns (a context factory such as
@@ -278,7 +269,7 @@ class Regions:
         if not found:
             return None
         if len(found) == len(regions) and len({(r.enabled, r.device, r.dtype) for r in found}) == 1:
-            return Region(owner, found[0].enabled, found[0].device, found[0].dtype)
+            return replace(found[0], node=owner)
         devices = {r.device for r in found}
         dtypes = {r.dtype for r in found}
         return Region(
@@ -286,6 +277,7 @@ class Regions:
             False if all(r.enabled is False for r in found) else None,
             devices.pop() if len(devices) == 1 else None,
             dtypes.pop() if len(dtypes) == 1 else None,
+            found[0].source,
         )
 
     def _factory_spec(
@@ -306,10 +298,12 @@ class Regions:
             bound.args + tuple(call.args),
             bound.keywords + tuple(call.keywords or ()),
         )
+        written = value if isinstance(value, nodes.Call) else call
         if callee.qualname in AUTOCAST_FUNCTIONS:
-            return _torch_autocast_region(callee, owner, self.names)
+            return _torch_autocast_region(callee, owner, self.names, written)
         if callee.qualname in self._extra_qualnames:
-            return Region(owner, _literal_enabled(callee.keyword("enabled"), None), None, None)
+            enabled = _literal_enabled(callee.keyword("enabled"), None)
+            return Region(owner, enabled, None, None, written)
         return None
 
     def _is_null_context(self, value: Optional[nodes.NodeNG]) -> bool:
@@ -323,9 +317,10 @@ class Regions:
         callee = self.names.callee(call)
         if callee is not None and not callee.instance:
             if callee.qualname in AUTOCAST_FUNCTIONS:
-                return _torch_autocast_region(callee, owner, self.names)
+                return _torch_autocast_region(callee, owner, self.names, call)
             if callee.qualname in self._extra_qualnames:
-                return Region(owner, _literal_enabled(callee.keyword("enabled"), None), None, None)
+                enabled = _literal_enabled(callee.keyword("enabled"), None)
+                return Region(owner, enabled, None, None, call)
         elif callee is None:
             values = self._values(call.func)
             region = self._alternatives(values, owner, depth, called=call) if values else None
@@ -337,7 +332,7 @@ class Regions:
         name = simple_name(call.func)
         if name in self._extra_names or "autocast" in name.lower():
             enabled = _literal_enabled(keyword_value(call, "enabled"), None)
-            return Region(owner, _wrapper_enabled(name, enabled), None, None)
+            return Region(owner, _wrapper_enabled(name, enabled), None, None, call)
         return None
 
 
@@ -347,8 +342,11 @@ def returned_values(function: nodes.FunctionDef) -> Optional[List[nodes.NodeNG]]
     return returns if returns and all(v is not None for v in returns) else None
 
 
-def _torch_autocast_region(callee: Callee, owner: nodes.NodeNG, names) -> Region:
-    """Device, dtype and enabled of a ``torch.autocast``-family call."""
+def _torch_autocast_region(
+    callee: Callee, owner: nodes.NodeNG, names, call: nodes.Call
+) -> Region:
+    """Device, dtype and enabled of a ``torch.autocast``-family ``call`` (its source is the
+    call, or the ``partial(...)`` that wrote its ``dtype=``)."""
     if callee.qualname.startswith("torch.cuda."):
         device: Optional[str] = CUDA
         enabled_node, dtype_node = callee.argument(0, "enabled"), callee.argument(1, "dtype")
@@ -363,7 +361,9 @@ def _torch_autocast_region(callee: Callee, owner: nodes.NodeNG, names) -> Region
         dtype = _DEFAULT_DTYPE.get(device or "")
     else:
         dtype = _DTYPE_NAMES.get(names.qualname(dtype_node) or "")
-    return Region(owner, _literal_enabled(enabled_node, True), device, dtype)
+    written = dtype_node.parent if dtype_node is not None else call
+    source = written.parent if isinstance(written, nodes.Keyword) else written
+    return Region(owner, _literal_enabled(enabled_node, True), device, dtype, source)
 
 
 def _wrapper_enabled(name: str, enabled: Optional[bool]) -> Optional[bool]:

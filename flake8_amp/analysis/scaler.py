@@ -26,7 +26,13 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.names import enclosing_class, is_self, keyword_value, method_call
+from flake8_amp.analysis.names import (
+    bound_value,
+    enclosing_class,
+    is_self,
+    keyword_value,
+    method_call,
+)
 
 GRAD_SCALERS = frozenset(
     {
@@ -39,6 +45,8 @@ GRAD_SCALERS = frozenset(
     }
 )
 
+AUTOGRAD_BACKWARD = frozenset({"torch.autograd.backward"})
+
 #: Phases of the gradients of the current iteration, along one path.
 SCALED = "scaled"  # a scaled backward ran; gradients are multiplied by the loss scale
 UNSCALED = "unscaled"  # scaler.unscale_(optimizer) ran after it
@@ -49,7 +57,8 @@ _MAX_STATES = 64
 _AMP_FLAG_WORDS = frozenset(
     {"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"}
 )
-_AMP_CONDITION = "<amp enabled>"
+#: The condition key every amp/scaler flag shares (``use_amp``, ``args.fp16``, ``scaler``).
+AMP_CONDITION = "<amp enabled>"
 #: Nodes whose bodies run at another time: analyses of a function skip them.
 NESTED_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
 
@@ -94,7 +103,7 @@ def condition_key(test: nodes.NodeNG) -> Optional[Tuple[str, bool]]:
     if isinstance(test, nodes.Call) and not test.args and method_call(test)[0] == "is_enabled":
         test = test.func.expr
     if _is_amp_flag(test):
-        return _AMP_CONDITION, truth
+        return AMP_CONDITION, truth
     key = expression_key(test)
     return (key, truth) if key is not None else None
 
@@ -105,7 +114,8 @@ class PathState:
 
     #: None (no scaled gradients pending), SCALED, UNSCALED or HELPED.
     phase: Optional[str] = None
-    #: Keys of optimizers ``scaler.step`` has stepped since the last scaled backward.
+    #: Keys of optimizers ``scaler.step`` has stepped since the last backward, updated or
+    #: not: a plain step of one of them steps the same gradients again.
     stepped: FrozenSet[str] = frozenset()
     #: ``scaler.step(...)`` calls not yet followed by ``scaler.update()`` on this path.
     pending_steps: FrozenSet[nodes.Call] = frozenset()
@@ -192,7 +202,8 @@ class ScalerFlow:
         return frozenset(state.phase for state in self.states_before.get(call, ()))
 
     def stepped_before(self, call: nodes.Call, optimizer_key: str) -> bool:
-        """Every path to ``call`` already ran ``scaler.step(<optimizer_key>)``."""
+        """Every path to ``call`` already ran ``scaler.step(<optimizer_key>)`` since the last
+        backward (with or without ``scaler.update()`` after it)."""
         states = self.states_before.get(call, ())
         return bool(states) and all(optimizer_key in state.stepped for state in states)
 
@@ -341,18 +352,18 @@ class ScalerFlow:
 
     def _call(self, call: nodes.Call, states: States) -> States:
         method, receiver = method_call(call)
-        if method == "backward" and not call.args:
-            if any(self._is_scaled(receiver, state) for state in states):
+        backpropagated = backpropagated_tensor(call, self._analysis.names)
+        if backpropagated is not None:
+            if any(self._is_scaled(backpropagated, state) for state in states):
                 self.scaled_backwards.append(call)
-                return frozenset(
-                    (
-                        replace(state, phase=SCALED, stepped=frozenset())
-                        if self._is_scaled(receiver, state)
-                        else state
-                    )
-                    for state in states
+            return frozenset(
+                (
+                    replace(state, phase=SCALED, stepped=frozenset())
+                    if self._is_scaled(backpropagated, state)
+                    else replace(state, stepped=frozenset())
                 )
-            return states
+                for state in states
+            )
         if self.is_scaler(receiver):
             if method == "unscale_":
                 return frozenset(replace(state, phase=UNSCALED) for state in states)
@@ -381,8 +392,7 @@ class ScalerFlow:
         for state in states:
             self._updated_steps.update(state.pending_steps)
         return frozenset(
-            replace(state, phase=phase, stepped=frozenset(), pending_steps=frozenset())
-            for state in states
+            replace(state, phase=phase, pending_steps=frozenset()) for state in states
         )
 
     def _is_scaled(self, expr: Optional[nodes.NodeNG], state: PathState) -> bool:
@@ -394,6 +404,83 @@ class ScalerFlow:
             return self._is_scaled(expr.left, state) or self._is_scaled(expr.right, state)
         key = expression_key(expr) if expr is not None else None
         return key is not None and key in state.scaled_names
+
+
+#: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).
+OPTIMIZER_WORDS = frozenset({"opt", "optim", "optimizer", "optimiser", "optimizers"})
+#: Words that say it is something else with a ``step()`` (schedulers, EMA, SWA, samplers).
+NOT_OPTIMIZER_WORDS = frozenset(
+    {"sched", "scheduler", "lr", "warmup", "ema", "swa", "sampler", "env"}
+)
+
+
+def is_optimizer(expr: nodes.NodeNG, names) -> bool:
+    """Built by a ``torch.optim`` class, or named like an optimizer (``optimizer``, ``opt_d``,
+    ``self.optim``, ``optim_wrapper``; not a scheduler or an EMA)."""
+    key = expression_key(expr)
+    if key is None:
+        return False
+    built_by = names.instance_class(expr) or ""
+    if built_by.startswith("torch.optim.") and "lr_scheduler" not in built_by:
+        return True
+    words = name_words(key.rsplit(".", 1)[-1])
+    if NOT_OPTIMIZER_WORDS.intersection(words):
+        return False
+    return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)
+
+
+def backpropagated_tensor(call: nodes.Call, names) -> Optional[nodes.NodeNG]:
+    """The tensor a backward call backpropagates: ``x`` in ``x.backward()`` or
+    ``torch.autograd.backward(x)``; None for other calls (wrappers such as
+    ``accelerator.backward(loss)`` included)."""
+    method, receiver = method_call(call)
+    if method != "backward":
+        return None
+    if not call.args:
+        return receiver
+    return call.args[0] if names.qualname(call.func) in AUTOGRAD_BACKWARD else None
+
+
+#: Calls that backpropagate their receiver or argument.
+BACKWARD_METHODS = frozenset({"backward", "manual_backward"})
+
+
+def _backpropagated_expressions(scope: nodes.NodeNG, names) -> Iterator[nodes.NodeNG]:
+    """What the backward calls of ``scope`` backpropagate: ``x`` in ``x.backward()``,
+    ``torch.autograd.backward(x)``, ``accelerator.backward(x)``, ``scaler.scale(x).backward()``,
+    and what calls that step an optimizer receive (``loss_scaler(x, optimizer)``,
+    ``optim_wrapper.update_params(x)``)."""
+    for call in scope.nodes_of_class(nodes.Call):
+        method, receiver = method_call(call)
+        if method in BACKWARD_METHODS:
+            if receiver is not None and not call.args:
+                yield receiver
+            yield from call.args
+        elif (receiver is not None and is_optimizer(receiver, names)) or any(
+            is_optimizer(arg, names) for arg in call.args
+        ):
+            yield from call.args
+
+
+def reaches_backward(node: nodes.NodeNG, names) -> bool:
+    """``node``'s result flows (through names and arithmetic in its function) into what a
+    backward call backpropagates (``loss.backward()``, ``scaler.scale(loss)``,
+    ``accelerator.backward(loss)``, ``loss_scaler(loss, optimizer)``)."""
+    pending: List[nodes.NodeNG] = list(_backpropagated_expressions(node.scope(), names))
+    seen = set()
+    while pending:
+        expr = pending.pop()
+        if expr in seen:
+            continue
+        seen.add(expr)
+        if expr is node or any(sub is node for sub in expr.nodes_of_class(nodes.Call)):
+            return True
+        for name in expr.nodes_of_class(nodes.Name):
+            for binding in names.reaching_bindings(name):
+                value = bound_value(binding)
+                if value is not None:
+                    pending.append(value)
+    return False
 
 
 def _arguments(call: nodes.Call) -> Iterator[nodes.NodeNG]:
@@ -448,12 +535,7 @@ class ScalerAnalysis:
 
     def constructions(self, expr: nodes.NodeNG) -> List[nodes.Call]:
         """The ``GradScaler(...)`` calls whose result ``expr`` (a name or ``self.x``) holds."""
-        if isinstance(expr, nodes.Name):
-            values = self.names.assigned_values(expr) or []
-        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            values = self.names.self_attribute_values(expr)
-        else:
-            return []
+        values = self.names.bound_values(expr) or []
         return [
             value
             for value in values
@@ -463,7 +545,7 @@ class ScalerAnalysis:
     def is_scaler_helper(self, call: nodes.Call) -> bool:
         """``call`` calls a function or method of this module that unscales, steps or updates
         a scaler itself (``self._unscale_grads()``): after it, anything may have happened."""
-        function = self._local_definition(call)
+        function = self.names.local_function(call)
         if function is None:
             return False
         if function not in self._helpers:
@@ -474,17 +556,6 @@ class ScalerAnalysis:
                 if receiver is not None
             )
         return self._helpers[function]
-
-    def _local_definition(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        func = call.func
-        if isinstance(func, nodes.Name):
-            found = [b for b in self.names.bindings(func) if isinstance(b, nodes.FunctionDef)]
-            return found[0] if len(found) == 1 else None
-        if isinstance(func, nodes.Attribute) and is_self(func.expr):
-            classdef = enclosing_class(call)
-            found = [m for m in classdef.mymethods() if m.name == func.attrname] if classdef else []
-            return found[0] if len(found) == 1 else None
-        return None
 
     def scaler_reaches(self, scope: nodes.NodeNG) -> bool:
         """An enabled ``GradScaler(...)`` built in this module can be used by ``scope``: it is

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.dtypes import CAST_METHODS, FP32
-from flake8_amp.analysis.names import is_self, simple_name
+from flake8_amp.analysis.context import (
+    CHAIN_METHODS,
+    assign_target,
+    name_words,
+    object_key,
+    scope_nodes,
+)
+from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, LOW
+from flake8_amp.analysis.names import chain_root, code_frame, is_self, simple_name
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
-DTYPE_NAMES = {FP16: "float16", BF16: "bfloat16"}
+DTYPE_NAMES = {FP16: "float16", BF16: "bfloat16", LOW: "float16/bfloat16"}
 #: A cast inside ``if args.fp16:`` / ``x.half() if half else x`` is a deliberate precision mode.
 FLAG_WORDS = frozenset(
     {"fp16", "half", "bf16", "bfloat16", "float16", "pure", "precision", "dtype"}
@@ -25,33 +30,16 @@ class ManualCast(Check):
     """Pure low-precision training: fp32 master weights and per-op precision are lost."""
 
     code = "AMP001"
-    triggers = ("half", "bfloat16", "float16", "HalfTensor")
+    triggers = ("half", "bfloat16", "float16", "HalfTensor", "BFloat16")
 
     def visit_call(self, node: nodes.Call) -> None:
         func = node.func
         if not isinstance(func, nodes.Attribute):
             return
-        kind = self._cast_kind(node, func)
-        if kind is None or self._legitimate(node, func):
+        kind = self.context.dtypes.cast_target(node)
+        if kind not in DTYPE_NAMES or self._legitimate(node, func):
             return
         self.report(node, target=self.source_text(func.expr), dtype=DTYPE_NAMES[kind])
-
-    def _cast_kind(self, node: nodes.Call, func: nodes.Attribute) -> Optional[str]:
-        method = func.attrname
-        if method in ("half", "bfloat16"):
-            return CAST_METHODS[method] if not node.args and not node.keywords else None
-        if method not in ("to", "type"):
-            return None
-        candidates = list(node.args) + [
-            kw.value for kw in node.keywords or () if kw.arg in ("dtype", "dst_type")
-        ]
-        for arg in candidates:
-            if isinstance(arg, nodes.Const):
-                continue  # strings here are devices (``.to("cuda")``), not dtypes
-            kind = self.context.dtypes.constant(arg)
-            if kind in DTYPE_NAMES:
-                return kind
-        return None
 
     def _legitimate(self, node: nodes.Call, func: nodes.Attribute) -> bool:
         grad = self.context.grad
@@ -84,11 +72,67 @@ class ManualCast(Check):
         return False
 
     def _checkpoint_copy(self, node: nodes.Call, func: nodes.Attribute) -> bool:
-        """``deepcopy(model).half()`` or a cast in a scope that saves a checkpoint."""
-        receiver = func.expr
-        if isinstance(receiver, nodes.Call) and simple_name(receiver.func) == "deepcopy":
+        """A copy cast for a checkpoint and not trained by its function: inside a save call
+        (``torch.save({"model": deepcopy(model).half()})``), an object that is then saved
+        (``x["model"].half(); torch.save(x, f)``), or a ``deepcopy`` not kept under a name
+        that the function trains (``model16 = deepcopy(model).half()`` then trained is
+        training in fp16)."""
+        scope = code_frame(node)
+        root = chain_root(func.expr, CHAIN_METHODS)
+        keys = {object_key(assign_target(_chain_top(node))), object_key(root)}
+        keys.discard("")
+        if keys & (self.context.grad.trained_in(scope) | _run_before_backward(scope)):
+            return False
+        if _inside_save(node) or keys & _saved_objects(scope):
             return True
-        return "save" in self.context.grad.called_names(node.frame())
+        receiver = func.expr
+        return isinstance(receiver, nodes.Call) and simple_name(receiver.func) == "deepcopy"
+
+
+def _run_before_backward(scope: nodes.NodeNG) -> set:
+    """Objects ``scope`` calls (runs forward) when it also calls ``.backward()``."""
+    calls = [node for node in scope_nodes(scope) if isinstance(node, nodes.Call)]
+    if not any(simple_name(call.func) == "backward" for call in calls):
+        return set()
+    return {object_key(call.func) for call in calls}
+
+
+def _is_save(call: nodes.NodeNG) -> bool:
+    """``torch.save``, ``save_checkpoint``, ``model.save_pretrained``..."""
+    return isinstance(call, nodes.Call) and "save" in name_words(simple_name(call.func))
+
+
+def _inside_save(node: nodes.NodeNG) -> bool:
+    parent = node.parent
+    while parent is not None and not parent.is_statement:
+        if _is_save(parent):
+            return True
+        parent = parent.parent
+    return False
+
+
+def _saved_objects(scope: nodes.NodeNG) -> set:
+    """Objects (as source text) that ``scope`` passes to a save call (``x`` for
+    ``torch.save(x, f)``, also ``m`` for ``torch.save(m.state_dict(), f)``)."""
+    saved = set()
+    for call in scope_nodes(scope):
+        if _is_save(call):
+            for arg in [*call.args, *(kw.value for kw in call.keywords or ())]:
+                saved.update(
+                    object_key(sub) for sub in arg.nodes_of_class((nodes.Name, nodes.Attribute))
+                )
+    return saved
+
+
+def _chain_top(node: nodes.NodeNG) -> nodes.NodeNG:
+    """The last call of the method chain ``node`` belongs to (``m.half().cuda().eval()``)."""
+    while (
+        isinstance(node.parent, nodes.Attribute)
+        and isinstance(node.parent.parent, nodes.Call)
+        and node.parent.attrname in CHAIN_METHODS
+    ):
+        node = node.parent.parent
+    return node
 
 
 def _round_trip(node: nodes.Call) -> bool:
@@ -103,7 +147,7 @@ def _round_trip(node: nodes.Call) -> bool:
 
 
 def _in_cast_definition(node: nodes.NodeNG) -> bool:
-    scope = node.frame()
+    scope = code_frame(node)
     return isinstance(scope, nodes.FunctionDef) and scope.name in CAST_DEFINITIONS
 
 

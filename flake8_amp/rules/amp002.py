@@ -1,20 +1,39 @@
-"""AMP002 loss-outside-autocast: a loss computed after the autocast block on its outputs."""
+"""AMP002 loss-outside-autocast: a loss computed after the autocast block on its outputs.
+
+A loss is known by what it computes: a torch loss (``F.cross_entropy``, ``F.ctc_loss``, any
+``*_loss``, an ``nn.*Loss``), an instance of any class named ``*Loss``, a callable named for
+a loss or criterion whose definition is elsewhere (``criterion``, ``self.loss_fn``), or a
+function or class of this module whose result (or first result) is computed by a loss or a
+full reduction (``.mean()``, ``.sum()``) and is backpropagated (``self.xent(score, pids)``,
+``siglip_objective(img, txt)``), whatever its name. Backpropagated: reaching a backward
+(``loss.backward()``, ``accelerator.backward(loss)``) or a call that steps an optimizer
+(``loss_scaler(loss, optimizer)``, ``optim_wrapper.update_params(loss)``).
+
+Its prediction (the first input; for a loss of this module, any input it does not upcast) is
+traced back through indexing, attributes, arithmetic and tensor ops (``F.log_softmax(s /
+T)``, ``torch.sigmoid``, ``.transpose``), names, unpacking and loop targets to a forward
+output made in an autocast region that does not enclose the loss; an upcast anywhere on the
+way (``.float()``), or in the loss's own definition, makes it fine.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 from astroid import nodes
 
+from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
 from flake8_amp.analysis.names import (
-    assigned_value,
+    chain_root,
     call_argument,
     last_part,
     method_call,
+    bound_value,
     simple_name,
 )
 from flake8_amp.analysis.regions import returned_values
+from flake8_amp.analysis.scaler import reaches_backward
 from flake8_amp.engine import Check, Options, mentions_autocast
 
 #: Functional losses whose names do not end in ``_loss``.
@@ -27,21 +46,31 @@ LOSS_FUNCTIONS = frozenset(
         "nll_loss",
     }
 )
+#: Words naming a loss callable defined elsewhere (``criterion``, ``loss_fn``, ``compute_loss``).
+LOSS_WORDS = frozenset({"loss", "losses", "criterion"})
+#: Words naming something else that takes a loss (``loss_scaler(loss, optimizer)``).
+NOT_LOSS_WORDS = frozenset({"scaler", "scale", "meter", "logger", "log", "record"})
+#: Reductions that make a scalar of a whole tensor (no ``dim``): how a loss ends.
+FULL_REDUCTIONS = frozenset({"mean", "sum"})
 #: Methods returning models whose forward casts outputs to fp32 (accelerate, Lightning Fabric).
 FP32_OUTPUT_WRAPPERS = frozenset({"prepare", "prepare_model", "setup", "setup_module"})
-#: How many reshaping re-assignments (``out = out.view(...)``) are followed back.
-_MAX_HOPS = 4
+#: How many re-assignments (``out = out.view(...)``) are followed back.
+_MAX_HOPS = 6
+#: How deep a loss definition's return expression is searched.
+_MAX_DEPTH = 6
 #: Tensor methods that move or convert data; their results are not forward outputs.
 DATA_METHODS = frozenset(
     {"to", "cuda", "cpu", "type", "numpy", "item", "tolist", "new_tensor"}
 ) | set(CAST_METHODS)
+#: Methods leaving the tensor world: tracing a prediction stops there.
+TO_PYTHON = frozenset({"numpy", "item", "tolist"})
 
 
 class LossOutsideAutocast(Check):
     """Outside the region, autocast's fp32 handling of the loss is lost."""
 
     code = "AMP002"
-    triggers = ("loss", "Loss", "cross_entropy", "kl_div")
+    triggers = ("loss", "Loss", "cross_entropy", "kl_div", "criterion")
 
     @classmethod
     def applies(cls, source: str, options: Options) -> bool:
@@ -49,55 +78,169 @@ class LossOutsideAutocast(Check):
         return mentions_autocast(source, options) and any(word in source for word in loss_words)
 
     def visit_call(self, node: nodes.Call) -> None:
-        if not self._is_loss(node) or self.context.regions.region_at(node) is not None:
+        if self.context.regions.region_at(node) is not None:
             return
-        # Only the prediction is judged: targets made in the region (``target =
-        # scheduler.get_velocity(...)``) are data, and an upcast prediction is enough.
         arg = call_argument(node, 0, "input")
-        produced = self._autocast_output_name(arg) if arg is not None else None
-        if produced is not None:
-            self.report(node, loss=self.source_text(node.func), arg=produced)
+        if arg is None:
+            return
+        definition = self._local_definition(node)
+        kind = self._loss_kind(node, definition)
+        if kind is None:
+            return
+        produced = self._produced_prediction(node, definition)
+        if produced is None:
+            return
+        if kind == "computed" and not reaches_backward(node, self.context.names):
+            return  # a metric (``accuracy(output, target)``), not a loss
+        self.report(node, loss=self.source_text(node.func), arg=produced)
 
-    def _is_loss(self, node: nodes.Call) -> bool:
+    def _produced_prediction(
+        self, node: nodes.Call, definition: Optional[nodes.FunctionDef]
+    ) -> Optional[str]:
+        """The name of a prediction made under autocast that the loss receives. Only the
+        prediction is judged: targets made in the region (``target =
+        scheduler.get_velocity(...)``) are data. That is the first argument of a loss defined
+        elsewhere; for one defined here, any argument whose parameter it does not upcast
+        itself (``mae_loss(imgs, pred, mask)``), unless the call upcasts some of them (the
+        author chose which inputs need fp32)."""
+        if definition is None:
+            return self._autocast_output_name(call_argument(node, 0, "input"))
+        if any(self.context.dtypes.of(arg) == FP32 for arg in node.args):
+            return None
+        for param, arg in zip(_parameters(definition), node.args):
+            if isinstance(arg, nodes.Starred):
+                break
+            produced = self._autocast_output_name(arg)
+            if produced is not None and not self._upcasts(definition, param.name):
+                return produced
+        return None
+
+    # -- what is a loss ----------------------------------------------------------------
+
+    def _loss_kind(
+        self, node: nodes.Call, definition: Optional[nodes.FunctionDef]
+    ) -> Optional[str]:
+        """"known" for a loss by its name or class, "computed" for a function or class of this
+        module that computes one; None for anything else."""
         options = self.context.options.loss_functions
-        if simple_name(node.func) in {last_part(name) for name in options}:
-            return True
+        name = simple_name(node.func)
+        if name in {last_part(option) for option in options}:
+            return "known"
         callee = self.context.names.callee(node)
-        if callee is None:
+        if callee is not None:
+            if callee.qualname in options or _is_torch_loss(callee.qualname, callee.instance):
+                return "known"
+            if callee.instance and callee.name.endswith("Loss"):
+                return "known"
+        local_class = self.context.names.local_class(node.func)
+        if local_class is not None and local_class.name.endswith("Loss"):
+            return "known"
+        if definition is not None:
+            # Its name is not enough (``_update_losses(outputs, losses)`` records them).
+            return "computed" if self._computes_loss(definition) else None
+        if local_class is None and (callee is None or not callee.qualname.startswith("torch.")):
+            # Built or defined elsewhere: ``criterion(out, y)``, ``self.loss = build_loss(cfg)``,
+            # ``from .losses import focal_loss``.
+            if _named_for_loss(name) or (callee is not None and _named_for_loss(callee.name)):
+                return "known"
+        return None
+
+    def _local_definition(self, node: nodes.Call) -> Optional[nodes.FunctionDef]:
+        """The function of this module ``node`` calls, or the ``forward``/``__call__`` of the
+        class of this module whose instance it calls."""
+        names = self.context.names
+        function = names.local_function(node)
+        if function is not None:
+            return function
+        cls = names.local_class(node.func)
+        if cls is None:
+            return None
+        methods = [m for m in cls.mymethods() if m.name in ("forward", "__call__")]
+        return methods[0] if methods else None
+
+    def _computes_loss(self, function: nodes.FunctionDef) -> bool:
+        """Every value ``function`` returns is computed by a loss or a full reduction."""
+        returns = returned_values(function)
+        return bool(returns) and all(self._loss_expression(v, _MAX_DEPTH) for v in returns)
+
+    def _loss_expression(self, expr: nodes.NodeNG, depth: int) -> bool:
+        if depth <= 0:
             return False
-        if callee.qualname in options:
-            return True
-        if callee.instance:
-            return callee.qualname.startswith("torch.nn.") and callee.name.endswith("Loss")
-        if (
-            callee.qualname.startswith(("torch.nn.functional.", "torch."))
-            and callee.qualname.count(".") <= 3
+        if isinstance(expr, nodes.BinOp):
+            return self._loss_expression(expr.left, depth - 1) or self._loss_expression(
+                expr.right, depth - 1
+            )
+        if isinstance(expr, nodes.UnaryOp):
+            return self._loss_expression(expr.operand, depth - 1)
+        if isinstance(expr, (nodes.IfExp, nodes.Tuple)):
+            parts = [expr.body, expr.orelse] if isinstance(expr, nodes.IfExp) else expr.elts[:1]
+            return any(self._loss_expression(part, depth - 1) for part in parts)
+        if isinstance(expr, nodes.Name):
+            values = self.context.names.assigned_values(expr) or []
+            return any(self._loss_expression(value, depth - 1) for value in values)
+        if not isinstance(expr, nodes.Call):
+            return False
+        callee = self.context.names.callee(expr)
+        if callee is not None and (
+            _is_torch_loss(callee.qualname, callee.instance)
+            or (callee.instance and callee.name.endswith("Loss"))
         ):
-            return callee.name.endswith("_loss") or callee.name in LOSS_FUNCTIONS
+            return True
+        method, receiver = method_call(expr)
+        if callee is None and method in FULL_REDUCTIONS and not expr.args and not expr.keywords:
+            return True  # ``x.mean()``, ``(...).sum()``
+        if callee is not None and callee.name in FULL_REDUCTIONS and len(expr.args) == 1:
+            return not expr.keywords  # ``torch.mean(x)``
+        inner = receiver if callee is None else (expr.args[0] if expr.args else None)
+        return inner is not None and self._loss_expression(inner, depth - 1)
+
+    def _upcasts(self, function: nodes.FunctionDef, parameter: str, depth: int = 3) -> bool:
+        """The loss definition casts ``parameter`` to fp32 itself (``logits =
+        logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``), or hands it to a
+        function of the module that does (``stft_mag(pred)`` computing on ``x.float()``)."""
+        for call in function.nodes_of_class(nodes.Call):
+            receiver = method_call(call)[1]
+            if isinstance(receiver, nodes.Name) and receiver.name == parameter:
+                if self.context.dtypes.cast_target(call) == FP32:
+                    return True
+            inner = self.context.names.local_function(call) if depth > 0 else None
+            if inner is not None and inner is not function:
+                for inner_parameter, arg in zip(_parameters(inner), call.args):
+                    if isinstance(arg, nodes.Name) and arg.name == parameter:
+                        if self._upcasts(inner, inner_parameter.name, depth - 1):
+                            return True
         return False
+
+    # -- where the prediction comes from -----------------------------------------------
 
     def _autocast_output_name(self, arg: nodes.NodeNG) -> Optional[str]:
         """The name of ``arg``'s variable if it holds a forward output made inside an
-        autocast region that does not enclose the loss, with no upcast since."""
-        root = _strip(arg)
+        autocast region that does not enclose the loss, with no upcast since (not losses the
+        forward returned: ``parse_losses(losses)`` only sums them)."""
+        root = self._tensor_root(arg)
         if not isinstance(root, nodes.Name) or self.context.dtypes.of(arg) in (FP32, INT):
+            return None
+        if {"loss", "losses"} & set(name_words(root.name)):
             return None
         return root.name if self._made_under_autocast(root, _MAX_HOPS) else None
 
     def _made_under_autocast(self, name: nodes.Name, hops: int) -> bool:
         """Some assignment reaching ``name`` stores a forward output made in an autocast
-        region, directly or through reshaping re-assignments (``out = out.view(-1, C)``)."""
+        region, directly or through re-assignments (``out = out.view(-1, C)``,
+        ``log_probs = logits.log_softmax(-1)``, ``for a in aux_outputs``)."""
         dtypes = self.context.dtypes
         statement = name.statement()
         for binding in self.context.names.reaching_bindings(name):
-            value = _bound_value(binding)
-            if value is None or binding.statement() is statement or dtypes.of(value) in (FP32, INT):
+            value = bound_value(binding)
+            if binding.statement() is statement and not isinstance(
+                binding.parent, nodes.Comprehension
+            ):
+                continue  # ``out = out.view(-1)``: the right-hand ``out`` is the earlier value
+            if value is None or dtypes.of(value) in (FP32, INT):
                 continue
-            if self._forward_output(value):
-                if self._under_autocast(binding, value):
-                    return True
-                continue
-            source = _strip(value)
+            if self._forward_output(value) and self._under_autocast(binding, value):
+                return True
+            source = self._tensor_root(value)
             if hops > 0 and isinstance(source, nodes.Name):
                 if self._made_under_autocast(source, hops - 1):
                     return True
@@ -110,10 +253,10 @@ class LossOutsideAutocast(Check):
         regions = self.context.regions
         if regions.autocast_at(binding) is not None:
             return True
-        core = _strip(value)
+        core = chain_root(value, PRESERVING, attributes=True)
         if not isinstance(core, nodes.Call) or regions.called_region(core) is None:
             return False
-        returns = returned_values(regions.called_function(core)) or []
+        returns = returned_values(self.context.names.local_function(core)) or []
         return any(self.context.dtypes.of(v) not in (FP32, INT) for v in returns)
 
     def _forward_output(self, value: nodes.NodeNG) -> bool:
@@ -121,7 +264,7 @@ class LossOutsideAutocast(Check):
         a call of a model (not a data move, not a library function or a loss)."""
         if is_low(self.context.dtypes.of(value)):
             return True
-        core = _strip(value)
+        core = chain_root(value, PRESERVING, attributes=True)
         if not isinstance(core, nodes.Call) or self._returns_fp32(core.func):
             return False
         callee = self.context.names.callee(core)
@@ -131,6 +274,39 @@ class LossOutsideAutocast(Check):
         # forward; library functions and loss modules do not.
         return callee.instance and not callee.name.endswith("Loss")
 
+    def _tensor_root(self, expr: nodes.NodeNG) -> nodes.NodeNG:
+        """The tensor ``expr`` is computed from: through indexing, attributes, arithmetic
+        (the tensor operand), tensor methods (their receiver) and torch functions (their
+        first argument) -- ``F.log_softmax(s / T, 1)`` -> ``s``."""
+        names = self.context.names
+        while True:
+            if self.context.dtypes.of(expr) in (FP32, INT):
+                return expr  # upcast on the way (``F.interpolate(pred.float(), ...)``)
+            if isinstance(expr, nodes.Subscript):
+                expr = expr.value
+            elif isinstance(expr, nodes.Attribute):
+                expr = expr.expr
+            elif isinstance(expr, nodes.UnaryOp):
+                expr = expr.operand
+            elif isinstance(expr, nodes.BinOp):
+                expr = expr.right if self.context.dtypes.is_number(expr.left) else expr.left
+            elif isinstance(expr, nodes.Call):
+                callee = names.callee(expr)
+                method, receiver = method_call(expr)
+                if callee is None and receiver is not None and method not in TO_PYTHON:
+                    expr = receiver
+                elif (
+                    callee is not None
+                    and not callee.instance
+                    and callee.qualname.startswith("torch.")
+                    and call_argument(expr, 0, "input") is not None
+                ):
+                    expr = call_argument(expr, 0, "input")
+                else:
+                    return expr
+            else:
+                return expr
+
     def _returns_fp32(self, model: nodes.NodeNG) -> bool:
         """``model`` comes from ``accelerator.prepare(...)`` or ``fabric.setup(...)``,
         which wrap its forward so that it returns fp32 outputs (accelerate's
@@ -138,37 +314,30 @@ class LossOutsideAutocast(Check):
         if not isinstance(model, nodes.Name):
             return False
         for binding in self.context.names.reaching_bindings(model):
-            value = _bound_value(binding)
+            value = bound_value(binding)
             if isinstance(value, nodes.Call) and method_call(value)[0] in FP32_OUTPUT_WRAPPERS:
                 return True
         return False
 
 
-def _strip(expr: nodes.NodeNG) -> nodes.NodeNG:
-    """Remove indexing, attribute access and dtype-preserving method calls."""
-    while True:
-        if isinstance(expr, nodes.Subscript):
-            expr = expr.value
-        elif isinstance(expr, nodes.Attribute):
-            expr = expr.expr
-        elif (
-            isinstance(expr, nodes.Call)
-            and isinstance(expr.func, nodes.Attribute)
-            and expr.func.attrname in PRESERVING
-        ):
-            expr = expr.func.expr
-        else:
-            return expr
+def _parameters(function: nodes.FunctionDef) -> List[nodes.AssignName]:
+    """The positional parameters a call fills (without ``self`` of a method)."""
+    params = function.args.posonlyargs + function.args.args
+    return params[1:] if isinstance(function.parent, nodes.ClassDef) else params
 
 
-def _bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
-    """The value assigned to ``binding``, also through tuple unpacking (``a, b = f()``)."""
-    value = assigned_value(binding)
-    if value is not None:
-        return value
-    parent = binding.parent
-    while isinstance(parent, (nodes.Tuple, nodes.List, nodes.Starred)):
-        parent = parent.parent
-    if isinstance(parent, nodes.Assign):
-        return parent.value
-    return None
+def _is_torch_loss(qualname: str, instance: bool) -> bool:
+    """``torch.nn.functional.cross_entropy``, ``torch.nn.CTCLoss()``..."""
+    if instance:
+        return qualname.startswith("torch.nn.") and qualname.endswith("Loss")
+    name = last_part(qualname)
+    return (
+        qualname.startswith(("torch.nn.functional.", "torch."))
+        and qualname.count(".") <= 3
+        and (name.endswith("_loss") or name in LOSS_FUNCTIONS)
+    )
+
+
+def _named_for_loss(name: str) -> bool:
+    words = set(name_words(name))
+    return bool(words & LOSS_WORDS) and not words & NOT_LOSS_WORDS

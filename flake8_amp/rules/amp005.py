@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import last_part
-from flake8_amp.analysis.scaler import HELPED, SCALED, UNSCALED, scaler_analysis
+from typing import Optional
+
+from flake8_amp.analysis.names import last_part, method_call
+from flake8_amp.analysis.scaler import HELPED, SCALED, UNSCALED, calls_in_order, scaler_analysis
 from flake8_amp.engine import Check
 
 CLIP_FUNCTIONS = frozenset(
@@ -22,6 +24,16 @@ CLIP_FUNCTIONS = frozenset(
 )
 
 
+#: Models whose own ``clip_grad_norm_`` method clips the gradients as they are (FSDP's); the
+#: methods of that name of accelerate's and DeepSpeed's objects unscale first.
+CLIPPING_MODELS = frozenset(
+    {
+        "torch.distributed.fsdp.FullyShardedDataParallel",
+        "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+    }
+)
+
+
 class ClipBeforeUnscale(Check):
     """The clip threshold is compared with gradients still multiplied by the loss scale."""
 
@@ -33,10 +45,8 @@ class ClipBeforeUnscale(Check):
         return super().applies(source, options) and ".scale(" in source
 
     def visit_call(self, node: nodes.Call) -> None:
-        func = node.func
-        if isinstance(func, nodes.Attribute) and not func.attrname.startswith("clip_grad"):
-            return  # cheap test before name resolution (names may be import aliases)
-        if self.context.names.qualname(node.func) not in CLIP_FUNCTIONS:
+        clip = self._clip(node)
+        if clip is None:
             return
         analysis = scaler_analysis(self.context)
         flow = analysis.flow(node)
@@ -45,4 +55,23 @@ class ClipBeforeUnscale(Check):
         if not scaled and phases <= {None}:
             scaled = flow.scaled_on_entry(node) or analysis.scaled_elsewhere(node)
         if scaled and not flow.in_no_scaler_arm(node):
-            self.report(node, func=last_part(self.context.names.qualname(node.func)))
+            self.report(node, func=clip)
+
+    def _clip(self, node: nodes.Call) -> Optional[str]:
+        """How ``node`` clips gradients, if it does: a ``torch.nn.utils`` clip function,
+        ``model.clip_grad_norm_()`` of an FSDP model, or a function of this module that
+        clips and touches no scaler (``grad_norm = self._clip()``)."""
+        names = self.context.names
+        method, receiver = method_call(node)
+        if method and not method.startswith("clip_grad") and names.local_function(node) is None:
+            return None  # cheap test before name resolution (names may be import aliases)
+        qualname = names.qualname(node.func)
+        if qualname in CLIP_FUNCTIONS:
+            return last_part(qualname)
+        if method == "clip_grad_norm_" and names.instance_class(receiver) in CLIPPING_MODELS:
+            return f"{receiver.as_string()}.clip_grad_norm_"
+        helper = names.local_function(node)
+        if helper is not None and not scaler_analysis(self.context).is_scaler_helper(node):
+            if any(names.qualname(call.func) in CLIP_FUNCTIONS for call in calls_in_order(helper)):
+                return f"{node.func.as_string()}()"
+        return None

@@ -2,8 +2,10 @@
 
 Optimizers are recognised by their ``torch.optim`` class or by name (``optimizer``, ``opt_d``,
 ``self.optim``; not schedulers or EMA objects). A plain step is fine in the no-scaler arm of
-an ``if``, after a helper that received the scaler, for an optimizer built around the
-scaler, or when ``scaler.step`` already stepped it. A step whose function runs no backward is
+an ``if``, after a helper that received the scaler, and for an optimizer built around the
+scaler; after ``scaler.step`` stepped the same optimizer (with or without ``update()`` in
+between) it steps the same gradients a second time. ``torch.autograd.backward(
+scaler.scale(loss))`` is a scaled backward too. A step whose function runs no backward is
 reported when its class (or module) scales the backward elsewhere and never steps through
 the scaler, unscales it or hands it on. ``scaler.step`` needs an update later in
 its function, in another method (``self.<scaler>``), or in its caller (a scaler parameter).
@@ -11,28 +13,19 @@ its function, in another method (``self.<scaler>``), or in its caller (a scaler 
 
 from __future__ import annotations
 
-from typing import Optional
-
 from astroid import nodes
 
-from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.names import is_self, method_call, names_in
+from flake8_amp.analysis.names import method_call, names_in
 from flake8_amp.analysis.scaler import (
     HELPED,
     SCALED,
     UNSCALED,
     ScalerFlow,
     expression_key,
+    is_optimizer,
     scaler_analysis,
 )
 from flake8_amp.engine import Check
-
-#: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).
-OPTIMIZER_WORDS = frozenset({"opt", "optim", "optimizer", "optimiser", "optimizers"})
-#: Words that say it is something else with a ``step()`` (schedulers, EMA, SWA, samplers).
-NOT_OPTIMIZER_WORDS = frozenset(
-    {"sched", "scheduler", "lr", "warmup", "ema", "swa", "sampler", "env"}
-)
 
 
 class StepBypassesScaler(Check):
@@ -48,19 +41,24 @@ class StepBypassesScaler(Check):
         flow = scaler_analysis(self.context).flow(node)
         if flow.is_scaler(receiver):
             self._check_update(node, receiver, flow)
-        elif len(node.args) <= 1 and self._is_optimizer(receiver):
+        elif len(node.args) <= 1 and is_optimizer(receiver, self.context.names):
             self._check_plain_step(node, receiver, flow)
 
     def _check_plain_step(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
         phases = flow.phases_before(node)
-        if HELPED in phases or flow.in_no_scaler_arm(node):
+        if HELPED in phases or flow.in_no_scaler_arm(node) or self._wraps_scaler(receiver):
+            return
+        key = expression_key(receiver)
+        if key is not None and flow.stepped_before(node, key):
+            self.report(
+                node,
+                detail=f"{receiver.as_string()}.step() after scaler.step({key}) steps the same "
+                "gradients again (inf/NaN steps are not skipped)",
+            )
             return
         if not phases & {SCALED, UNSCALED} and not (
             phases <= {None} and scaler_analysis(self.context).scaled_elsewhere(node)
         ):
-            return
-        key = expression_key(receiver)
-        if (key is not None and flow.stepped_before(node, key)) or self._wraps_scaler(receiver):
             return
         self.report(
             node,
@@ -68,28 +66,10 @@ class StepBypassesScaler(Check):
             "(inf/NaN steps are not skipped)",
         )
 
-    def _is_optimizer(self, receiver: nodes.NodeNG) -> bool:
-        """Built by a ``torch.optim`` class, or named like an optimizer (not a scheduler)."""
-        key: Optional[str] = expression_key(receiver)
-        if key is None:
-            return False
-        built_by = self.context.names.instance_class(receiver) or ""
-        if built_by.startswith("torch.optim.") and "lr_scheduler" not in built_by:
-            return True
-        words = name_words(key.rsplit(".", 1)[-1])
-        if NOT_OPTIMIZER_WORDS.intersection(words):
-            return False
-        return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)
-
     def _wraps_scaler(self, optimizer: nodes.NodeNG) -> bool:
         """The optimizer was built around the scaler (``AmpOptimizer(opt, scaler)``)."""
         names = self.context.names
-        if isinstance(optimizer, nodes.Name):
-            values = names.assigned_values(optimizer) or []
-        elif isinstance(optimizer, nodes.Attribute) and is_self(optimizer.expr):
-            values = names.self_attribute_values(optimizer)
-        else:
-            return False
+        values = names.bound_values(optimizer) or []
         return any(
             "scaler" in word.lower()
             for value in values

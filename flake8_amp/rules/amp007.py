@@ -1,5 +1,9 @@
 """AMP007 fp16-overflow-literal: a fill beyond +-65504 on a tensor that can be fp16.
 
+Fills: ``masked_fill``/``index_fill``/``fill_``/``new_full``, ``torch.full``/``full_like``,
+``torch.where`` with one number (a 0-dim ``torch.tensor(-1e9)`` is one too: it takes the
+other tensor's dtype), ``F.pad(x, pad, value=...)`` and indexed assignment (``x[m] = -1e9``).
+
 The fill is judged by the tensor it lands on: known fp16 (or fp16/bf16) is a finding;
 known fp32, bf16 or integer is fine; unknown is a finding inside an autocast region
 (not bf16) and in model code (methods of ``nn.Module`` classes and the functions of a
@@ -17,9 +21,15 @@ from typing import Optional, Tuple
 
 from astroid import nodes
 
+from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
-from flake8_amp.analysis.names import call_argument, is_self, last_part, method_call
+from flake8_amp.analysis.names import (
+    attribute_not_in,
+    call_argument,
+    last_part,
+    method_call,
+)
 from flake8_amp.analysis.scaler import expression_key
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
@@ -34,8 +44,15 @@ FILL_METHODS = {
     "fill_diagonal_": (0, "fill_value"),
     "new_full": (1, "fill_value"),
 }
-#: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``).
-FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where"}
+#: torch functions filling their first argument: ``(op, position, keyword)`` of the value.
+TORCH_FILLS = {
+    "torch.full_like": ("torch.full_like", 1, "fill_value"),
+    "torch.masked_fill": ("torch.masked_fill", 2, "value"),
+    "torch.nn.functional.pad": ("F.pad", 3, "value"),
+}
+#: Last names of every fill this rule knows (methods above, ``torch.full``/``full_like``/``where``,
+#: ``F.pad(x, pad, value=...)``).
+FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where", "pad"}
 #: A value that may exceed 65504 somewhere in the source: ``1e5``+, ``70000``, ``100_000``,
 #: ``2 ** 32``, ``torch.finfo(torch.float32)``. Digits after a decimal point, in names or in
 #: paths (``0.7978845608``, ``issues/70627``) are not integers.
@@ -61,103 +78,13 @@ INDEX_NAME_WORDS = frozenset(
 #: Tensor methods whose result is a numpy array or a Python list.
 TO_PYTHON_METHODS = frozenset({"numpy", "tolist"})
 CONTAINER_FACTORIES = frozenset({"collections.defaultdict", "collections.OrderedDict"})
-#: ``torch.finfo`` of these is far beyond fp16's range (fp32's max is used for all of them).
-WIDE_DTYPES = frozenset({"torch.float32", "torch.float", "torch.float64", "torch.double"})
-FP32_MAX = 3.4028234663852886e38
-_MAX_DEPTH = 6
-_MAX_EXPONENT = 1024
-
-
-def numeric_constant(expr: Optional[nodes.NodeNG], names, _depth: int = 0) -> Optional[float]:
-    """The number ``expr`` always evaluates to: literals, ``-1e9``, ``-2 ** 32 + 1``,
-    ``torch.finfo(torch.float32).min``, and names or ``self`` attributes bound only to such
-    numbers; None otherwise."""
-    if expr is None or _depth > _MAX_DEPTH:
-        return None
-    if isinstance(expr, nodes.Const):
-        value = expr.value
-        return (
-            float(value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            else None
-        )
-    if isinstance(expr, nodes.UnaryOp) and expr.op in ("-", "+"):
-        operand = numeric_constant(expr.operand, names, _depth + 1)
-        return None if operand is None else (-operand if expr.op == "-" else operand)
-    if (
-        isinstance(expr, nodes.Call)
-        and isinstance(expr.func, nodes.Name)
-        and expr.func.name == "float"
-    ):
-        return _float_call(expr, names, _depth)
-    if isinstance(expr, nodes.Attribute) and expr.attrname in ("min", "max"):
-        limit = _fp32_finfo_limit(expr.expr, names)
-        if limit is not None:
-            return -limit if expr.attrname == "min" else limit
-    if isinstance(expr, nodes.BinOp):
-        return _fold(
-            expr.op,
-            numeric_constant(expr.left, names, _depth + 1),
-            numeric_constant(expr.right, names, _depth + 1),
-        )
-    if isinstance(expr, nodes.Name):
-        values = names.assigned_values(expr)
-    elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-        values = names.self_attribute_values(expr)
-    else:
-        return None
-    found = {numeric_constant(value, names, _depth + 1) for value in values or ()}
-    return found.pop() if len(found) == 1 else None
-
-
-def _float_call(call: nodes.Call, names, depth: int) -> Optional[float]:
-    """``float(-1e9)`` or ``float("-1e9")`` (``float("-inf")`` is not finite: callers skip it)."""
-    if len(call.args) != 1 or call.keywords or names.bindings(call.func):
-        return None  # not the builtin, or not one argument
-    arg = call.args[0]
-    if isinstance(arg, nodes.Const) and isinstance(arg.value, str):
-        try:
-            return float(arg.value)
-        except ValueError:
-            return None
-    return numeric_constant(arg, names, depth + 1)
-
-
-def _fp32_finfo_limit(expr: nodes.NodeNG, names) -> Optional[float]:
-    """fp32's largest value for ``torch.finfo(torch.float32)`` (or wider dtypes: no less)."""
-    if (
-        not isinstance(expr, nodes.Call)
-        or len(expr.args) != 1
-        or names.qualname(expr.func) != "torch.finfo"
-    ):
-        return None
-    return FP32_MAX if names.qualname(expr.args[0]) in WIDE_DTYPES else None
-
-
-def _fold(op: str, left: Optional[float], right: Optional[float]) -> Optional[float]:
-    if left is None or right is None:
-        return None
-    try:
-        if op == "+":
-            return left + right
-        if op == "-":
-            return left - right
-        if op == "*":
-            return left * right
-        if op == "/":
-            return left / right
-        if op == "**" and abs(right) <= _MAX_EXPONENT:
-            return float(left**right)
-    except (ArithmeticError, TypeError):
-        return None
-    return None
 
 
 class Fp16OverflowLiteral(Check):
     """fp16 cannot hold the value: the fill raises, or becomes inf and softmax turns NaN."""
 
     code = "AMP007"
-    triggers = ("fill", "full(", "full_like(", "where(", "] =")
+    triggers = ("fill", "full(", "full_like(", "where(", "] =", "pad(")
 
     @classmethod
     def applies(cls, source, options):
@@ -211,13 +138,7 @@ class Fp16OverflowLiteral(Check):
         """``expr`` is bound to a list, dict, set or numpy array (``t.cpu().numpy()``), not a
         tensor."""
         names = self.context.names
-        if isinstance(expr, nodes.Name):
-            values = names.assigned_values(expr) or []
-        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            values = names.self_attribute_values(expr)
-        else:
-            return False
-        for value in values:
+        for value in names.bound_values(expr) or ():
             if isinstance(value, nodes.BinOp):  # ``[0.0] * n``, ``np.ones(n) * 5``
                 value = value.right if isinstance(value.right, CONTAINER_NODES) else value.left
             if isinstance(value, CONTAINER_NODES):
@@ -253,20 +174,10 @@ class Fp16OverflowLiteral(Check):
             return method, receiver, call_argument(node, position, keyword), dtype
         if qualname == "torch.full":
             return "torch.full", None, call_argument(node, 1, "fill_value"), dtype
-        if qualname == "torch.full_like":
-            return (
-                "torch.full_like",
-                call_argument(node, 0, "input"),
-                call_argument(node, 1, "fill_value"),
-                dtype,
-            )
-        if qualname == "torch.masked_fill":
-            return (
-                "torch.masked_fill",
-                call_argument(node, 0, "input"),
-                call_argument(node, 2, "value"),
-                dtype,
-            )
+        if qualname in TORCH_FILLS:
+            op, position, keyword = TORCH_FILLS[qualname]
+            filled = call_argument(node, 0, "input")
+            return op, filled, call_argument(node, position, keyword), dtype
         if qualname == "torch.where" and len(node.args) == 3:
             numbers = [numeric_constant(arg, self.context.names) for arg in node.args[1:]]
             if numbers.count(None) == 1:  # two numbers make a default-dtype (fp32) tensor
@@ -298,11 +209,6 @@ class Fp16OverflowLiteral(Check):
         if region is not None:
             return region.dtype != BF16
         return _in_model_code(node)
-
-
-def attribute_not_in(func: nodes.NodeNG, names: frozenset) -> bool:
-    """``func`` is ``x.<name>`` with a name outside ``names`` (bare names may be aliases)."""
-    return isinstance(func, nodes.Attribute) and func.attrname not in names
 
 
 def _keyed_by_string(subscript: nodes.Subscript) -> bool:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from astroid import nodes
 
 from flake8_amp.analysis.names import is_self, method_call
+from flake8_amp.analysis.scaler import AUTOGRAD_BACKWARD
 from flake8_amp.engine import Check, mentions_autocast
-
-AUTOGRAD_BACKWARD = frozenset({"torch.autograd.backward"})
 
 
 class BackwardUnderAutocast(Check):
@@ -23,7 +22,9 @@ class BackwardUnderAutocast(Check):
     def visit_call(self, node: nodes.Call) -> None:
         if not self._is_backward(node):
             return
-        if self.context.regions.autocast_at(node) is not None:
+        if self.context.grad.no_grad_at(node):
+            return
+        if self.context.regions.autocast_at(node, with_grad=True) is not None:
             self.report(node)
 
     def _is_backward(self, node: nodes.Call) -> bool:

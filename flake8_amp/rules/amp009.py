@@ -2,14 +2,17 @@
 
 Every use is reported where it is spelled (through imports and module aliases, not
 through variables, so ``ac = torch.cuda.amp.autocast; ac()`` is one finding). A use is a
-call, a decorator, a ``functools.partial`` target, an alias assignment or a return value
-(a factory such as ``get_autocast(precision)``); comparisons, ``isinstance`` checks and
-collections of the old classes (libraries that recognise both APIs) are not uses.
+call, a decorator, a ``functools.partial`` target, an alias assignment, a return value
+(a factory such as ``get_autocast(precision)``), a parameter's default
+(``def f(scaler=torch.cuda.amp.GradScaler())``, ``ctx=torch.cuda.amp.autocast``) or a
+keyword argument's value; comparisons, ``isinstance`` checks and collections of the old
+classes (libraries that recognise both APIs) are not uses.
 
 Code that picks the API by torch version stays silent: a ``try`` that also tries
 ``torch.amp`` (``except (AttributeError, ImportError, TypeError)``), either arm of an
 ``if``/conditional expression that tests the version (or ``hasattr``) or offers
-``torch.amp`` in its other arm, and code after ``if <version test>: return <modern>``.
+``torch.amp`` in its other arm (unless it tests the amp switch, ``if amp``), and code after
+``if <version test>: return <modern>``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Iterable, Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.scaler import other_arm
+from flake8_amp.analysis.scaler import AMP_CONDITION, condition_key, other_arm
 from flake8_amp.engine import Check
 
 REPLACEMENTS = {
@@ -64,8 +67,11 @@ class DeprecatedAmpApi(Check):
             self.report(node, old=old, new=REPLACEMENTS[old])
 
     def _is_use(self, node: nodes.NodeNG) -> bool:
-        """Called, decorating, partial'ed, bound or returned (also as an ``x if c else y`` arm)."""
+        """Called, decorating, partial'ed, bound, returned, a parameter's default or a keyword
+        argument's value (also as an ``x if c else y`` arm)."""
         parent = node.parent
+        if isinstance(parent, (nodes.Arguments, nodes.Keyword)):
+            return True
         if isinstance(parent, (nodes.IfExp, nodes.BoolOp)) and node is not getattr(
             parent, "test", None
         ):
@@ -99,6 +105,11 @@ class DeprecatedAmpApi(Check):
         return False
 
     def _other_arm_is_modern(self, branch: nodes.NodeNG, child: nodes.NodeNG) -> bool:
+        """The other arm offers ``torch.amp`` and the test is not the amp switch
+        (``autocast() if amp else torch.autocast("cuda", enabled=False)`` picks no API)."""
+        condition = condition_key(branch.test)
+        if condition is not None and condition[0] == AMP_CONDITION:
+            return False
         return any(self._mentions_modern_api(node) for node in other_arm(branch, child))
 
     def _after_version_return(self, statement: nodes.NodeNG) -> bool:

@@ -1,30 +1,38 @@
 """AMP010 scaler-dtype-mismatch: fp16 autocast without a GradScaler, or a GradScaler with bf16.
 
 Judged per function (and per module body, for scripts) from regions whose dtype is known:
-- an fp16 region and a plain ``backward()`` (not ``accelerator.backward(loss)`` or other
-  wrappers, not a manually scaled loss), in a function that uses and names no scaler
+- an fp16 region (its own, or one that a function of the module it calls for the loss
+  opens: ``loss = forward_step(model, batch)``) and a plain ``backward()`` (not
+  ``accelerator.backward(loss)`` or other wrappers, not a manually scaled loss), in a
+  function that uses and names no scaler
   (``loss_scaler(loss, optimizer)``) and that no ``GradScaler`` of the file can reach
   (one kept in another function's local variable cannot);
 - a bf16 region in a function that scales its backward with a scaler that is built
-  enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine).
-The finding is reported where the region is opened.
+  enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine),
+  when every function scaling a backward with that scaler runs bf16 regions only.
+Each finding sits on the line to change: the ``GradScaler(...)`` construction to delete for
+bf16; for fp16, the autocast expression that names the dtype (``torch.autocast(...)``, or
+the ``ctx = torch.autocast(...) if args.amp else nullcontext()`` that ``with ctx:`` uses).
+A backward of a manually scaled loss (``(loss * 1024.0).backward()``) is not plain.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from astroid import nodes
 
-from flake8_amp.analysis.names import method_call, names_in
+from flake8_amp.analysis.constants import numeric_constant
+from flake8_amp.analysis.names import names_in
 from flake8_amp.analysis.regions import BF16, FP16, Region
 from flake8_amp.analysis.scaler import (
     NESTED_SCOPES,
+    backpropagated_tensor,
     calls_in_order,
+    reaches_backward,
     scaler_analysis,
 )
 from flake8_amp.engine import Check, mentions_autocast
-from flake8_amp.rules.amp008 import AUTOGRAD_BACKWARD
 
 
 class ScalerDtypeMismatch(Check):
@@ -37,6 +45,12 @@ class ScalerDtypeMismatch(Check):
     def applies(cls, source, options):
         return mentions_autocast(source, options)
 
+    def __init__(self, context, findings):
+        super().__init__(context, findings)
+        #: Enabled ``GradScaler(...)`` calls -> dtypes of the regions of the functions that
+        #: scale a backward with them.
+        self._scaler_uses: Dict[nodes.Call, Set[Optional[str]]] = {}
+
     def visit_module(self, node: nodes.Module) -> None:
         self._check_scope(node)
 
@@ -45,18 +59,61 @@ class ScalerDtypeMismatch(Check):
 
     def _check_scope(self, scope: nodes.NodeNG) -> None:
         entries = list(self._region_entries(scope))
-        fp16 = [opener for opener, region in entries if region.dtype == FP16]
-        bf16 = [opener for opener, region in entries if region.dtype == BF16]
-        if fp16 and self._has_plain_backward(scope) and not self._mentions_scaler(scope):
+        fp16 = []
+        if self._has_plain_backward(scope):
+            fp16 = self._fp16_with_grad(entries) + self._helper_fp16_regions(scope)
+        if fp16 and not self._mentions_scaler(scope):
+            opener, region = fp16[0]
             self.report(
-                fp16[0],
+                region.source or opener,
                 detail="fp16 autocast and backward() with no GradScaler: "
                 "small gradients flush to zero",
             )
-        if bf16 and self._scales_with_enabled_scaler(scope):
-            self.report(
-                bf16[0], detail="GradScaler used with bf16 autocast, which needs no loss scaling"
-            )
+        if entries:
+            self._record_scaler_uses(scope, {region.dtype for _, region in entries})
+
+    def _fp16_with_grad(
+        self, entries: Iterable[Tuple[nodes.NodeNG, Region]]
+    ) -> List[Tuple[nodes.NodeNG, Region]]:
+        """The fp16 regions among ``entries`` whose code has gradients (a teacher's forward
+        under ``torch.no_grad()`` produces nothing to backpropagate)."""
+        grad = self.context.grad
+        return [
+            (opener, region)
+            for opener, region in entries
+            if region.dtype == FP16 and not grad.no_grad_at(_opened_by(opener).body[0])
+        ]
+
+    def _helper_fp16_regions(self, scope: nodes.NodeNG) -> List[Tuple[nodes.NodeNG, Region]]:
+        """fp16 regions of the module's functions that ``scope`` calls for what it
+        backpropagates (``loss = forward_step(model, batch); loss.backward()``)."""
+        names = self.context.names
+        found = []
+        for call in calls_in_order(scope):
+            helper = names.local_function(call)
+            if helper is None or helper is scope:
+                continue
+            helper_fp16 = self._fp16_with_grad(self._region_entries(helper))
+            if helper_fp16 and reaches_backward(call, names):
+                found.extend(helper_fp16)
+        return found
+
+    def _record_scaler_uses(self, scope: nodes.NodeNG, dtypes: Set[Optional[str]]) -> None:
+        flow = scaler_analysis(self.context).flow(scope)
+        if not flow.scaled_backwards:
+            return
+        for scaler in flow.scalers.values():
+            if scaler.surely_enabled:
+                for construction in scaler.constructions:
+                    self._scaler_uses.setdefault(construction, set()).update(dtypes)
+
+    def finish(self) -> None:
+        for construction, dtypes in self._scaler_uses.items():
+            if dtypes == {BF16}:
+                self.report(
+                    construction,
+                    detail="GradScaler used with bf16 autocast, which needs no loss scaling",
+                )
 
     def _region_entries(self, scope: nodes.NodeNG) -> Iterator[Tuple[nodes.NodeNG, Region]]:
         """``(expression that opens it, region)`` for each active region opened in ``scope``."""
@@ -73,21 +130,25 @@ class ScalerDtypeMismatch(Check):
                     yield expr, region
 
     def _has_plain_backward(self, scope: nodes.NodeNG) -> bool:
-        """An unscaled ``tensor.backward()`` (wrappers take the loss: ``engine.backward(loss)``)."""
+        """An unscaled backward: ``loss.backward()`` or ``torch.autograd.backward(loss)``, not of
+        ``scaler.scale(loss)`` or a manually scaled loss (wrappers take the loss as an
+        argument: ``engine.backward(loss)``)."""
         for call in calls_in_order(scope):
-            if self.context.names.qualname(call.func) in AUTOGRAD_BACKWARD:
+            tensor = backpropagated_tensor(call, self.context.names)
+            if tensor is not None and not self._manually_scaled(tensor):
                 return True
-            method, receiver = method_call(call)
-            if method == "backward" and not call.args:
-                if not any("scale" in word.lower() for word in names_in([receiver])):
-                    return True
         return False
 
-    def _scales_with_enabled_scaler(self, scope: nodes.NodeNG) -> bool:
-        flow = scaler_analysis(self.context).flow(scope)
-        return bool(flow.scaled_backwards) and any(
-            scaler.surely_enabled for scaler in flow.scalers.values()
-        )
+    def _manually_scaled(self, tensor: nodes.NodeNG) -> bool:
+        """``scaler.scale(loss)``, ``loss * loss_scale`` or ``loss * 1024.0``."""
+        if any("scale" in word.lower() for word in names_in([tensor])):
+            return True
+        if isinstance(tensor, nodes.BinOp) and tensor.op == "*":
+            for operand in (tensor.left, tensor.right):
+                factor = numeric_constant(operand, self.context.names)
+                if factor is not None and factor > 1:
+                    return True
+        return False
 
     def _mentions_scaler(self, scope: nodes.NodeNG) -> bool:
         """The function uses or names a scaler (``loss_scaler``...), or a ``GradScaler`` of the
@@ -109,6 +170,12 @@ def _identifiers(node: nodes.NodeNG) -> List[str]:
         else:
             words.append(sub.name if isinstance(sub, nodes.AssignName) else sub.attrname)
     return words
+
+
+def _opened_by(opener: nodes.NodeNG) -> nodes.NodeNG:
+    """The ``with`` statement or decorated function whose item or decorator ``opener`` is."""
+    parent = opener.parent
+    return parent.parent if isinstance(parent, nodes.Decorators) else parent
 
 
 def _own_nodes(scope: nodes.NodeNG, kind: type) -> Iterator[nodes.NodeNG]:

@@ -1,7 +1,8 @@
 """AMP011 tiny-epsilon: an epsilon below fp16's smallest subnormal guarding fp16 values.
 
 Reported where the dtype flow knows the values are fp16: ``x + 1e-8``, ``x.add(1e-8)``,
-``x.clamp(min=1e-8)`` / ``clamp_min``; and Adam-family optimizers whose ``eps`` (given
+``x.clamp(min=1e-8)`` / ``clamp_min``, ``F.normalize(x)`` computed in fp16 (its default eps is
+1e-12; CUDA autocast runs it in fp32); and Adam-family optimizers whose ``eps`` (given
 or default) is that small, built over ``model.parameters()`` of a model whose last cast
 before it in the same function is to fp16. bf16 shares fp32's exponent range, so 1e-8 is
 fine there.
@@ -14,12 +15,12 @@ from typing import Optional, Tuple
 
 from astroid import nodes
 
+from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.dtypes import FP16
-from flake8_amp.analysis.names import call_argument, method_call
+from flake8_amp.analysis.names import attribute_not_in, call_argument, method_call
 from flake8_amp.analysis.scaler import calls_in_order, expression_key
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from flake8_amp.engine import Check
-from flake8_amp.rules.amp007 import attribute_not_in, numeric_constant
 
 #: Default ``eps`` of the optimizers that divide by ``sqrt(v) + eps``.
 OPTIMIZER_DEFAULT_EPS = {
@@ -32,11 +33,13 @@ OPTIMIZER_DEFAULT_EPS = {
     "torch.optim.Adagrad": 1e-10,
 }
 OPTIMIZER_NAMES = frozenset(qualname.rsplit(".", 1)[-1] for qualname in OPTIMIZER_DEFAULT_EPS)
+NORMALIZE = "torch.nn.functional.normalize"
+NORMALIZE_DEFAULT_EPS = 1e-12
+#: Calls whose default eps is tiny: their files need no tiny literal to be checked.
+DEFAULT_EPS_NAMES = OPTIMIZER_NAMES | {"normalize("}
 ADD_METHODS = frozenset({"add", "add_"})
 CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"})
 CLAMP_FUNCTIONS = frozenset({"torch.clamp", "torch.clip", "torch.clamp_min"})
-#: Methods that cast a model in place (``.to(device)`` too, but its dtype is unknown).
-CASTS = frozenset({"half", "bfloat16", "float", "double", "to", "type"})
 #: A literal of 1e-8 or smaller somewhere in the source (``1e-8``, ``1E-10``, ``1e-08``).
 TINY_LITERAL = re.compile(r"\d[eE]-0?(?:[89]|[1-9]\d)")
 
@@ -53,7 +56,12 @@ class TinyEpsilon(Check):
 
     @classmethod
     def applies(cls, source, options):
-        return super().applies(source, options) and TINY_LITERAL.search(source) is not None
+        """A tiny literal, or a call whose default eps is tiny (``Adam(params)``,
+        ``F.normalize(x)``)."""
+        return super().applies(source, options) and (
+            TINY_LITERAL.search(source) is not None
+            or any(name in source for name in DEFAULT_EPS_NAMES)
+        )
 
     def visit_binop(self, node: nodes.BinOp) -> None:
         if node.op != "+":
@@ -72,7 +80,25 @@ class TinyEpsilon(Check):
             if _is_tiny(value) and self.context.dtypes.of(tensor) == FP16:
                 self.report(node, value=f"{value:g}")
             return
-        self._check_optimizer(node)
+        if not self._check_normalize(node):
+            self._check_optimizer(node)
+
+    def _check_normalize(self, node: nodes.Call) -> bool:
+        """``F.normalize(x, eps=...)`` (default 1e-12) computed in fp16: outside autocast on
+        an fp16 tensor (CUDA autocast runs it in fp32). True if ``node`` is a normalize."""
+        if attribute_not_in(node.func, {"normalize"}):
+            return False
+        if self.context.names.qualname(node.func) != NORMALIZE:
+            return False
+        given = call_argument(node, 3, "eps")
+        names = self.context.names
+        value = NORMALIZE_DEFAULT_EPS if given is None else numeric_constant(given, names)
+        tensor = call_argument(node, 0, "input")
+        dtypes = self.context.dtypes
+        if _is_tiny(value) and tensor is not None and dtypes.of(tensor) == dtypes.of(node) == FP16:
+            label = f"{value:g}" if given is not None else f"{value:g} (the default eps)"
+            self.report(node, value=label)
+        return True
 
     def _guarded_value(
         self, node: nodes.Call
@@ -126,9 +152,9 @@ class TinyEpsilon(Check):
         for call in calls_in_order(node.scope()):
             if call is node:
                 break
-            method, receiver = method_call(call)
-            if method in CASTS and expression_key(receiver) == key:
-                last_cast = self.context.dtypes.of(call) or last_cast
+            receiver = method_call(call)[1]
+            if receiver is not None and expression_key(receiver) == key:
+                last_cast = self.context.dtypes.cast_target(call) or last_cast
         return last_cast == FP16
 
 

@@ -368,3 +368,193 @@ def train_embeddings_with_frozen_unet(vae, unet, loader, optimizer, freeze_param
         latents = vae.encode(batch["pixels"].to(dtype=torch.float16))
         (unet(latents).float() - batch["noise"]).pow(2).mean().backward()
         optimizer.step()
+
+
+# ---- casts as a dtype-flow fact: any spelling of a conversion to fp16/bf16 ---------
+
+HALF = th.float16
+BF16 = torch.bfloat16
+CUDA_HALF = "torch.cuda.HalfTensor"
+
+
+def train_input_to_float16(model, loader, optimizer):
+    for x, y in loader:
+        x = x.to(torch.float16)  # AMP001
+        model(x, y).backward()
+        optimizer.step()
+
+
+def train_model_to_device_and_bf16(model, loader, optimizer, device):
+    model = model.to(device, dtype=torch.bfloat16)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
+def train_batch_images_cuda_half_tensor(model, loader, optimizer):
+    for batch in loader:
+        images = batch["images"].type(torch.cuda.HalfTensor)  # AMP001
+        model(images, batch["labels"]).backward()
+        optimizer.step()
+
+
+def train_type_string(model, loader, optimizer):
+    for batch in loader:
+        images = batch["images"].type("torch.cuda.HalfTensor")  # AMP001
+        model(images).backward()
+        optimizer.step()
+
+
+def train_named_constants(model, loader, optimizer):
+    for x, y in loader:
+        x = x.to(HALF)  # AMP001
+        y = y.type(CUDA_HALF)  # AMP001
+        model(x, y).backward()
+        optimizer.step()
+
+
+def train_model_to_named_bf16(model, loader, optimizer):
+    model.to(dtype=BF16)  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
+def train_list_comprehension(model, loader, optimizer):
+    for tensors in loader:
+        feats = [t.half() for t in tensors]  # AMP001
+        model(*feats).backward()
+        optimizer.step()
+
+
+def train_dict_comprehension(model, loader, optimizer):
+    for batch in loader:
+        batch = {k: v.to(th.bfloat16) for k, v in batch.items()}  # AMP001
+        model(**batch).backward()
+        optimizer.step()
+
+
+def train_lambda_over_batch(model, loader, optimizer, tree_map):
+    for batch in loader:
+        batch = tree_map(lambda t: t.half(), batch)  # AMP001
+        model(batch).backward()
+        optimizer.step()
+
+
+def train_half_copy(model, loader):
+    model16 = copy.deepcopy(model).half()  # AMP001
+    optimizer = torch.optim.SGD(model16.parameters(), lr=0.1)
+    for x, y in loader:
+        model16(x, y).backward()
+        optimizer.step()
+
+
+def train_to_dtype_of_half_tensor(model, loader, optimizer, template):
+    reference = template.half()  # AMP001
+    for x, y in loader:
+        x = x.to(reference)  # AMP001
+        model(x.type_as(reference), y).backward()  # AMP001
+        optimizer.step()
+
+
+def train_then_save_model_state(model, loader, optimizer, path):
+    model = model.half()  # AMP001
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+    torch.save(model.state_dict(), path)
+
+
+def train_moves_and_layout(model, loader, optimizer, device):
+    model.to(memory_format=torch.channels_last)
+    for x, y in loader:
+        x = x.to(device, non_blocking=True).to(memory_format=torch.channels_last)
+        y = y.type(torch.cuda.LongTensor)
+        model(x.to(torch.float32), y).backward()
+        optimizer.step()
+
+
+def train_to_runtime_dtype(model, loader, optimizer, weight_dtype):
+    for x, y in loader:
+        x = x.to(dtype=weight_dtype)
+        model(x.to(model.dtype), y).backward()
+        optimizer.step()
+
+
+def train_and_save_half_copy(model, loader, optimizer, path):
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+    half_model = copy.deepcopy(model).half()
+    torch.save(half_model.state_dict(), path)
+
+
+def train_and_save_compact_state(model, loader, optimizer, path):
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+    torch.save({k: v.half() for k, v in model.state_dict().items()}, path)
+
+
+def export_comprehension(tensors):
+    return [t.half() for t in tensors]
+
+
+def train_lora_adapters_on_frozen_base(model, loader, optimizer, device):
+    model.requires_grad_(False)
+    model.to(device, dtype=torch.bfloat16)
+    model.train()
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
+class TargetNetworkAgent:
+    def __init__(self, q, target):
+        self.q = q
+        self.target = target.half().eval()
+        self.optimizer = torch.optim.Adam(q.parameters())
+
+    def sync_target(self):
+        self.target.load_state_dict({k: v.half() for k, v in self.q.state_dict().items()})
+
+    def train_step(self, x, y):
+        self.q(x, y).backward()
+        self.optimizer.step()
+
+
+class HalfFitTrainer:
+    def __init__(self, model):
+        self.model = model
+
+    def fit(self, loader, optimizer):
+        self.model = self.model.half()  # AMP001
+        for x, y in loader:
+            self.model(x, y).backward()
+            optimizer.step()
+
+    def evaluate(self, loader):
+        self.model.eval()
+        return [self.model(x) for x, _ in loader]
+
+
+def pad_to_best_fit(images, size):
+    return images
+
+
+def resize_for_the_processor(images, size):
+    images = pad_to_best_fit(images, size)
+    return images.to(dtype=torch.bfloat16)
+
+
+def step_with_lambda(model, batch, optimizer, tree_map):
+    batch = tree_map(lambda t: t.half(), batch)  # AMP001
+    model(batch).backward()
+    optimizer.step()
+
+
+class LambdaSelfTrainer:
+    def step(self, batch, optimizer):
+        outputs = list(map(lambda x: self.model(x.half()), batch))  # AMP001
+        sum(o.sum() for o in outputs).backward()
+        optimizer.step()

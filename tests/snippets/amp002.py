@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn import functional as TF
 
+from losses import build_loss, focal_loss
+
 scaler = torch.amp.GradScaler("cuda")
 criterion = nn.CrossEntropyLoss()
 ctx = nullcontext() if torch.cuda.is_available() else torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
@@ -369,3 +371,227 @@ def fabric_module_returns_fp32(fabric, model, x, y):
     with fabric.autocast():
         out = model(x)
     return F.mse_loss(out, y)
+
+
+# ---- losses by what they compute, predictions traced through computations ---------
+
+
+class TripletLoss:
+    def __init__(self, margin):
+        self.ranking = nn.MarginRankingLoss(margin=margin)
+
+    def __call__(self, anchor, positive, negative):
+        d_ap = (anchor - positive).pow(2).sum(1)
+        d_an = (anchor - negative).pow(2).sum(1)
+        return self.ranking(d_an, d_ap, torch.ones_like(d_an))
+
+
+class LabelSmoothing(nn.Module):
+    def forward(self, logits, target):
+        log_probs = logits.log_softmax(dim=-1)
+        return -log_probs.gather(-1, target[:, None]).mean()
+
+
+class UpcastingSmoothing(nn.Module):
+    def forward(self, logits, target):
+        log_probs = logits.float().log_softmax(dim=-1)
+        return -log_probs.gather(-1, target[:, None]).mean()
+
+
+def info_nce(query, keys, temperature):
+    logits = query @ keys.t() / temperature
+    return -logits.diagonal().sum() / query.size(0)
+
+
+def top1_accuracy(output, target):
+    return (output.argmax(-1) == target).float().sum() * 100.0 / target.size(0)
+
+
+class IssueShapes:
+    def __init__(self, model):
+        self.model = model
+        self.triplet = TripletLoss(0.3)
+        self.smooth = LabelSmoothing()
+        self.upcast_smooth = UpcastingSmoothing()
+
+    def triplet_outside(self, x1, x2, x3):
+        with torch.autocast("cuda"):
+            a, p, n = self.model(x1), self.model(x2), self.model(x3)
+        loss = self.triplet(a, p, n)  # AMP002
+        scaler.scale(loss).backward()
+
+    def local_module_computing_a_mean(self, x, y):
+        with torch.autocast("cuda"):
+            logits = self.model(x)
+        loss = self.smooth(logits, y)  # AMP002
+        scaler.scale(loss).backward()
+
+    def local_module_that_upcasts(self, x, y):
+        with torch.autocast("cuda"):
+            logits = self.model(x)
+        loss = self.upcast_smooth(logits, y)
+        scaler.scale(loss).backward()
+
+
+def keyword_input(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    return F.cross_entropy(input=logits, target=y)  # AMP002
+
+
+def ctc_on_log_probs_made_after_block(model, feats, targets, in_lens, tgt_lens):
+    with torch.autocast("cuda"):
+        logits = model(feats)
+    log_probs = logits.log_softmax(dim=2).transpose(0, 1)
+    return F.ctc_loss(log_probs, targets, in_lens, tgt_lens)  # AMP002
+
+
+def distillation_temperature(student, teacher, x, T):
+    with torch.autocast("cuda"):
+        s = student(x)
+        t = teacher(x)
+    return F.kl_div(F.log_softmax(s / T, dim=1), F.softmax(t / T, dim=1)) * T * T  # AMP002
+
+
+def criterion_parameter(model, x, y, criterion):
+    with torch.autocast("cuda"):
+        out = model(x)
+    loss = criterion(out, y)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def local_objective_backpropagated(model, q, k):
+    with torch.autocast("cuda"):
+        zq = model(q)
+        zk = model(k)
+    loss = info_nce(zq, zk, 0.07)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def deep_supervision_outputs(model, x, y):
+    with torch.autocast("cuda"):
+        outs = model(x)
+    loss = sum(F.mse_loss(o, y) for o in outs)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def sigmoid_then_bce_outside(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    return F.binary_cross_entropy(torch.sigmoid(logits), y)  # AMP002
+
+
+def accuracy_metric_is_not_a_loss(model, x, y):
+    with torch.autocast("cuda"):
+        out = model(x)
+        loss = criterion(out, y)
+    acc = top1_accuracy(out, y)
+    scaler.scale(loss).backward()
+    return acc
+
+
+def local_objective_not_backpropagated(model, q, k):
+    with torch.no_grad(), torch.autocast("cuda"):
+        zq = model(q)
+        zk = model(k)
+    return info_nce(zq, zk, 0.07).item()
+
+
+def loss_scaler_takes_the_loss(model, x, y, optimizer, loss_scaler):
+    with torch.autocast("cuda"):
+        loss = criterion(model(x), y)
+    loss_scaler(loss, optimizer)
+
+
+def losses_summed_after_block(model, data, parse_losses):
+    with torch.autocast("cuda"):
+        losses = model(data)
+    total_loss = parse_losses(losses)
+    scaler.scale(total_loss).backward()
+
+
+def upcast_before_resize(model, x, y):
+    with torch.autocast("cuda"):
+        pred = model(x)
+    pred = F.interpolate(pred.float(), size=y.shape[-2:])
+    return F.l1_loss(pred, y)
+
+
+def criterion_on_upcast_outputs(model, x, y, criterion):
+    with torch.autocast("cuda"):
+        out = model(x)
+    loss = criterion(out.float(), y)
+    scaler.scale(loss).backward()
+
+
+def reconstruction_loss(images, pred, mask):
+    target = images.flatten(2)
+    return ((pred - target) ** 2 * mask).sum() / mask.sum()
+
+
+def prediction_in_second_position(model, images):
+    with torch.autocast("cuda"):
+        pred, mask = model(images)
+    loss = reconstruction_loss(images, pred, mask)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def some_inputs_upcast_by_the_caller(model, images, texts):
+    with torch.autocast("cuda"):
+        img, txt, scale = model(images, texts)
+    loss = info_nce(img.float(), txt.float(), scale)
+    scaler.scale(loss).backward()
+
+
+def _update_losses(outputs, losses):
+    losses.setdefault("count", 0)
+    losses["count"] += len(outputs)
+    return outputs, losses
+
+
+def helper_named_for_losses_records_them(model, batch, history):
+    with torch.no_grad(), torch.autocast("cuda"):
+        outputs = model(batch)
+    outputs, history = _update_losses(outputs, history)
+    return outputs
+
+
+def loss_handed_to_a_scaler_helper(model, images, optimizer, loss_scaler):
+    with torch.autocast("cuda"):
+        pred, mask = model(images)
+    loss = reconstruction_loss(images, pred, mask)  # AMP002
+    loss_scaler(loss, optimizer)
+
+
+class LossFromABuilder:
+    def __init__(self, model, cfg):
+        self.model = model
+        self.loss = build_loss(cfg)
+
+    def step(self, x, y):
+        with torch.autocast("cuda"):
+            out = self.model(x)
+        loss = self.loss(out, y)  # AMP002
+        scaler.scale(loss).backward()
+
+
+def imported_loss_function(model, x, y):
+    with torch.autocast("cuda"):
+        logits = model(x)
+    loss = focal_loss(logits, y)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def _spectrum(x):
+    return torch.stft(x.float(), 512, return_complex=True).abs()
+
+
+def spectral_loss(pred, target):
+    return (_spectrum(pred) - _spectrum(target)).abs().mean()
+
+
+def helper_upcasts_one_level_deeper(model, noisy, clean):
+    with torch.autocast("cuda"):
+        enhanced = model(noisy)
+    loss = spectral_loss(enhanced, clean)
+    scaler.scale(loss).backward()

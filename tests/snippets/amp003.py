@@ -323,3 +323,48 @@ def project_wrapper_turning_autocast_off(model, x, y, disable_autocast):
         logits = model(x)
         with disable_autocast():
             return F.binary_cross_entropy(torch.sigmoid(logits.float()), y)
+
+
+# ---- contexts passed as arguments: the region is what the call sites pass -----------
+
+
+def train_step_with_context(model, x, y, amp_ctx):
+    with amp_ctx:
+        probs = torch.sigmoid(model(x))
+        return F.binary_cross_entropy(probs, y)  # AMP003
+
+
+@torch.no_grad()
+def evaluate_with_context(model, x, y, amp_ctx):
+    with amp_ctx:
+        return F.binary_cross_entropy(torch.sigmoid(model(x)), y)  # AMP003
+
+
+def run_with_contexts(model, x, y, use_amp):
+    amp_ctx = torch.autocast("cuda", dtype=torch.float16) if use_amp else nullcontext()
+    train_step_with_context(model, x, y, amp_ctx)
+    evaluate_with_context(model, x, y, amp_ctx=amp_ctx)
+
+
+def step_with_any_context(model, x, y, context):
+    with context:
+        return F.binary_cross_entropy(torch.sigmoid(model(x)), y)
+
+
+def run_with_lock(model, x, y, lock):
+    step_with_any_context(model, x, y, lock)
+
+
+class BceHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.loss = nn.BCELoss()
+
+    def forward(self, probs, targets):
+        return self.loss(probs, targets)  # AMP003
+
+
+def head_moved_to_device_called_under_autocast(probs, targets, device):
+    head = BceHead().to(device)
+    with torch.autocast("cuda"):
+        return head(probs, targets)

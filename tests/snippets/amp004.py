@@ -110,6 +110,18 @@ def used_after_region(x, w):
     return h.mean()  # AMP004
 
 
+def conditional_context_counts_as_on(x, w):
+    with ctx:
+        h = x @ w
+        return h.mean()  # AMP004
+
+
+def flag_enabled_region(x, w, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        h = x @ w
+        return h.var(dim=-1)  # AMP004
+
+
 # ---- negatives --------------------------------------------------------------------
 
 
@@ -200,12 +212,6 @@ def loss_is_fp32_under_cuda_autocast(model, x, y):
     with torch.autocast("cuda"):
         loss = F.cross_entropy(x @ model.weight, y, reduction="none")
         return loss.mean()
-
-
-def conditional_context_unknown(x, w):
-    with ctx:
-        h = x @ w
-        return h.mean()
 
 
 def stdlib_reductions(values):

@@ -6,6 +6,8 @@ import torch.nn as nn
 import torch.nn.utils as nn_utils
 from accelerate import Accelerator
 from apex import amp as apex_amp
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 from torch.nn.utils import clip_grad_norm_ as clip_norm
 
@@ -537,5 +539,81 @@ class ScalerHandedToAHelper:
 
     def optimizer_step(self):
         clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+# ---- clips known by the model's class, and helpers that clip ---------------------
+
+
+class FsdpTrainer:
+    def __init__(self, model, optimizer):
+        self.optimizer = optimizer
+        self.scaler = ShardedGradScaler()
+        self.model = FSDP(model)
+
+    def step(self, batch):
+        loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        self.model.clip_grad_norm_(1.0)  # AMP005
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def fsdp_model_clip(model, batch, optimizer):
+    model = FSDP(model)
+    scaler = ShardedGradScaler()
+    scaler.scale(model(batch)).backward()
+    model.clip_grad_norm_(1.0)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def fsdp_model_clip_after_unscale(model, batch, optimizer):
+    model = FSDP(model)
+    scaler = ShardedGradScaler()
+    scaler.scale(model(batch)).backward()
+    scaler.unscale_(optimizer)
+    model.clip_grad_norm_(1.0)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def engine_clips_after_unscaling_itself(engine, batch, scaler):
+    scaler.scale(engine(batch)).backward()
+    engine.clip_grad_norm_(1.0)
+    scaler.step(engine.optimizer)
+    scaler.update()
+
+
+class ClipsThroughAHelper:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def _clip(self):
+        return clip_grad_norm_(self.model.parameters(), 1.0)
+
+    def _unscale_and_clip(self):
+        self.scaler.unscale_(self.optimizer)
+        return clip_grad_norm_(self.model.parameters(), 1.0)
+
+    def step(self, batch):
+        self.scaler.scale(self.model(batch)).backward()
+        self._clip()  # AMP005
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def step_with_unscaling_helper(self, batch):
+        self.scaler.scale(self.model(batch)).backward()
+        self._unscale_and_clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def step_after_unscale(self, batch):
+        self.scaler.scale(self.model(batch)).backward()
+        self.scaler.unscale_(self.optimizer)
+        self._clip()
         self.scaler.step(self.optimizer)
         self.scaler.update()

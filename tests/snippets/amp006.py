@@ -459,3 +459,42 @@ class OwnBackwardBeforeThePlainStep:
     def fp32_step(self, batch):
         self.model(batch).backward()
         self.optimizer.step()
+
+
+# ---- scaled backward through torch.autograd.backward; a second step after the scaler -----
+
+
+def autograd_backward_then_plain_step(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    torch.autograd.backward(scaler.scale(loss))
+    optimizer.step()  # AMP006
+
+
+def second_plain_step_after_update(model, batch, optimizer, scaler, lookahead):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    if lookahead:
+        optimizer.step()  # AMP006
+
+
+def autograd_backward_through_the_scaler(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    torch.autograd.backward(scaler.scale(loss))
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def plain_step_after_a_new_plain_backward(model, batches, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batches[0])
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    model(batches[1]).float().backward()
+    optimizer.step()

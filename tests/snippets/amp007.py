@@ -244,3 +244,43 @@ class TokenIds(nn.Module):
         input_ids = input_ids.masked_fill(pad_mask, 128001)
         token_idx = input_ids.new_full((n,), 151643)
         return input_ids, token_idx
+
+
+# ---- F.pad values and 0-dim tensors in torch.where --------------------------------
+
+
+class PaddedWindows(nn.Module):
+    def forward(self, scores, n):
+        return nn.functional.pad(scores, (0, n), value=-1e9)  # AMP007
+
+
+class WhereWithScalarTensor(nn.Module):
+    def forward(self, s, mask):
+        return torch.where(mask, s, torch.tensor(-1e9))  # AMP007
+
+
+class PaddedWindowsSafe(nn.Module):
+    def forward(self, scores, n):
+        return nn.functional.pad(scores, (0, n), value=torch.finfo(scores.dtype).min)
+
+
+class PaddedFp32Windows(nn.Module):
+    def forward(self, scores, n):
+        return nn.functional.pad(scores.float(), (0, n), value=-1e9)
+
+
+class WhereWithSafeScalarTensor(nn.Module):
+    def forward(self, s, mask):
+        return torch.where(mask, s, torch.tensor(-1e4, device=s.device))
+
+
+class BeamScoresStayFp32(nn.Module):
+    def forward(self, log_probs, beam):
+        scores = torch.full((beam,), -1e9)
+        log_probs = log_probs.float()
+        for _ in range(4):
+            cand = (scores[:, None] + log_probs).view(-1)
+            top, idx = cand.topk(beam)
+            scores = top
+            scores = scores.masked_fill(idx < 0, -1e9)
+        return scores

@@ -231,3 +231,32 @@ def lightning_manual_backward(self, batch):
     with torch.autocast("cuda"):
         loss = self.model(batch)
     self.manual_backward(loss)
+
+
+# ---- regions inherited from callers, and gradients turned off ------------------------
+
+
+def _accumulate_gradients(model, batch):
+    loss = model(batch)
+    loss.backward()  # AMP008
+
+
+def train_calls_helper_in_region(model, batch):
+    with torch.autocast("cuda"):
+        _accumulate_gradients(model, batch)
+
+
+def _probe_sensitivity(model, batch):
+    loss = model(batch).sum()
+    loss.backward()
+
+
+@torch.no_grad()
+def evaluate_calls_probe_in_region(model, batch):
+    with torch.autocast("cuda"):
+        _probe_sensitivity(model, batch)
+
+
+def backward_under_no_grad_and_autocast(model, batch):
+    with torch.no_grad(), torch.autocast("cuda"):
+        model(batch).sum().backward()

@@ -238,3 +238,38 @@ def apex_amp_is_not_torch(model, optimizer):
     from apex import amp as apex_amp
 
     return apex_amp.initialize(model, optimizer, opt_level="O1")
+
+
+# ---- defaults, keyword arguments, and if/else on the amp switch ---------------------
+
+
+def train_with_default_scaler(model, loader, scaler=torch.cuda.amp.GradScaler()):  # AMP009
+    for batch in loader:
+        scaler.scale(model(batch)).backward()
+
+
+class EngineWithContextDefault:
+    def __init__(self, model, amp_ctx=torch.cuda.amp.autocast):  # AMP009
+        self.model = model
+        self.amp_ctx = amp_ctx
+
+
+def build_engine_with_keyword(model, Engine):
+    return Engine(model, grad_scaler=torch.cuda.amp.GradScaler(init_scale=1024))  # AMP009
+
+
+def context_for_amp_switch(amp):
+    return torch.cuda.amp.autocast() if amp else torch.autocast("cuda", enabled=False)  # AMP009
+
+
+def train_with_modern_default(model, loader, scaler=torch.amp.GradScaler("cuda")):
+    for batch in loader:
+        scaler.scale(model(batch)).backward()
+
+
+def scaler_for_torch_version(new_api):
+    return torch.amp.GradScaler("cuda") if new_api else torch.cuda.amp.GradScaler()
+
+
+def checks_either_scaler_class(obj):
+    return isinstance(obj, (torch.amp.GradScaler, torch.cuda.amp.GradScaler))

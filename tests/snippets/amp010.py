@@ -9,8 +9,8 @@ import functools
 import torch
 from torch import autocast
 
-fp16_ctx = torch.autocast("cuda", dtype=torch.float16)
-fp16_partial = functools.partial(torch.autocast, "cuda", dtype=torch.float16)
+fp16_ctx = torch.autocast("cuda", dtype=torch.float16)  # AMP010
+fp16_partial = functools.partial(torch.autocast, "cuda", dtype=torch.float16)  # AMP010
 PTDTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ctx = contextlib.nullcontext() if PTDTYPE else torch.amp.autocast("cuda", dtype=PTDTYPE["float16"])
 
@@ -78,14 +78,14 @@ def enabled_literal(model, batch, optimizer):
 
 
 def module_context_variable(model, batch, optimizer):
-    with fp16_ctx:  # AMP010
+    with fp16_ctx:
         loss = model(batch)
     loss.backward()
     optimizer.step()
 
 
 def partial_context(model, batch, optimizer):
-    with fp16_partial():  # AMP010
+    with fp16_partial():
         loss = model(batch)
     loss.backward()
     optimizer.step()
@@ -132,7 +132,59 @@ def backward_of_sum(model, batch, optimizer):
     optimizer.step()
 
 
+def flag_context_variable(model, batch, optimizer, args):
+    ctx = torch.autocast("cuda", dtype=torch.float16) if args.amp else contextlib.nullcontext()  # AMP010
+    with ctx:
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def flag_enabled_region(model, batch, optimizer, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):  # AMP010
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def partial_written_in_function(model, batch, optimizer):
+    amp = functools.partial(torch.autocast, device_type="cuda", dtype=torch.float16)  # AMP010
+    with amp():
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def step_with_context(model, batch, optimizer, amp_ctx):
+    with amp_ctx:
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def run_steps(model, batches, optimizer):
+    for batch in batches:
+        step_with_context(model, batch, optimizer, torch.autocast("cuda", dtype=torch.float16))  # AMP010
+
+
 # ---------------------------------------------------------------- negatives
+
+
+def static_loss_scale_through_autograd(model, batch, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    torch.autograd.backward(loss * 1024.0)
+    for p in model.parameters():
+        p.grad.div_(1024.0)
+    optimizer.step()
+
+
+def dtype_chosen_by_flag(model, batch, optimizer, fp16):
+    with torch.autocast("cuda", dtype=torch.float16 if fp16 else torch.bfloat16):
+        loss = model(batch)
+    loss.backward()
+    optimizer.step()
+
 
 
 def bf16_without_scaler(model, batch, optimizer):
@@ -233,3 +285,37 @@ def apex_amp(model, batch, optimizer, amp):
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         scaled_loss.backward()
     optimizer.step()
+
+
+def forward_step(model, batch):
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        return model(batch)
+
+
+def train_through_forward_step(model, loader, optimizer):
+    for batch in loader:
+        loss = forward_step(model, batch)
+        loss.backward()
+        optimizer.step()
+
+
+def teacher_logits(teacher, batch):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        return teacher(batch)
+
+
+def train_student_in_fp32(student, teacher, loader, optimizer):
+    for batch in loader:
+        soft = teacher_logits(teacher, batch)
+        loss = (student(batch) - soft.float()).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+
+
+def train_student_with_teacher_in_the_same_function(student, teacher, loader, optimizer):
+    for batch in loader:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            soft = teacher(batch)
+        loss = (student(batch) - soft.float()).pow(2).mean()
+        loss.backward()
+        optimizer.step()

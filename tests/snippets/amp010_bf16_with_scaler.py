@@ -1,4 +1,8 @@
-"""AMP010 scaler-dtype-mismatch, second half: a GradScaler used with bf16 autocast."""
+"""AMP010 scaler-dtype-mismatch, second half: a GradScaler used with bf16 autocast.
+
+Reported on the GradScaler construction (the line to delete), when every function that scales
+a backward with it runs bf16 autocast: ``module_scaler`` also serves fp16 code below.
+"""
 import torch
 from torch.amp import GradScaler
 
@@ -9,8 +13,8 @@ module_scaler = torch.amp.GradScaler("cuda")
 
 
 def local_scaler_bf16(model, batch, optimizer):
-    scaler = torch.amp.GradScaler("cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):  # AMP010
+    scaler = torch.amp.GradScaler("cuda")  # AMP010
+    with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(batch)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
@@ -18,8 +22,8 @@ def local_scaler_bf16(model, batch, optimizer):
 
 
 def enabled_literal_true(model, batch, optimizer):
-    scaler = GradScaler("cuda", enabled=True)
-    with torch.amp.autocast("cuda", dtype=torch.bfloat16):  # AMP010
+    scaler = GradScaler("cuda", enabled=True)  # AMP010
+    with torch.amp.autocast("cuda", dtype=torch.bfloat16):
         loss = model(batch)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
@@ -27,7 +31,7 @@ def enabled_literal_true(model, batch, optimizer):
 
 
 def module_level_scaler(model, batch, optimizer):
-    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):  # AMP010
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
         loss = model(batch)
     module_scaler.scale(loss).backward()
     module_scaler.step(optimizer)
@@ -35,8 +39,8 @@ def module_level_scaler(model, batch, optimizer):
 
 
 def cpu_default_bf16(model, batch, optimizer):
-    scaler = torch.amp.GradScaler("cpu")
-    with torch.autocast("cpu"):  # AMP010
+    scaler = torch.amp.GradScaler("cpu")  # AMP010
+    with torch.autocast("cpu"):
         loss = model(batch)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
@@ -47,10 +51,10 @@ class Trainer:
     def __init__(self, model, optimizer):
         self.model = model
         self.optimizer = optimizer
-        self.scaler = torch.amp.GradScaler("cuda")
+        self.scaler = torch.amp.GradScaler("cuda")  # AMP010
 
     def train_step(self, batch):
-        with torch.autocast("cuda", dtype=torch.bfloat16):  # AMP010
+        with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = self.model(batch)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
@@ -58,10 +62,10 @@ class Trainer:
 
 
 def in_loop(model, loader, optimizer):
-    scaler = torch.amp.GradScaler("cuda")
+    scaler = torch.amp.GradScaler("cuda")  # AMP010
     for batch in loader:
         optimizer.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):  # AMP010
+        with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(batch)
         scaler.scale(loss).backward()
         scaler.step(optimizer)

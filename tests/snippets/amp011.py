@@ -217,3 +217,100 @@ class Model(nn.Module):
 def bf16_model_adam(model):
     model = model.bfloat16()
     return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+# ---- flag-enabled regions, Python numbers by name ------------------------------------
+
+
+class ScorerWithAmpSwitch(nn.Module):
+    def __init__(self, dim, use_amp):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.use_amp = use_amp
+
+    def forward(self, x):
+        with torch.autocast("cuda", enabled=self.use_amp):
+            h = self.proj(x)
+            return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)  # AMP011
+
+
+def tempered_log_probs(scores, temperature=0.05):
+    probs = (scores.half() / temperature).softmax(dim=-1)
+    return torch.log(probs + 1e-10)  # AMP011
+
+
+def tempered_log_probs_fp32(scores, temperature=0.05):
+    probs = (scores.half().float() / temperature).softmax(dim=-1)
+    return torch.log(probs + 1e-10)
+
+
+def norm_under_switch_is_fp32(x, w, use_amp):
+    with torch.autocast("cuda", enabled=use_amp):
+        h = x @ w
+        return h / (h.norm(dim=-1, keepdim=True) + 1e-8)
+
+
+def normalize_half_index(emb):
+    return F.normalize(emb.half(), dim=-1)  # AMP011
+
+
+def normalize_half_with_eps(emb):
+    return F.normalize(emb.half(), dim=-1, eps=1e-12)  # AMP011
+
+
+def normalize_half_under_cuda_autocast(x, w):
+    with torch.autocast("cuda"):
+        return F.normalize(x @ w, dim=-1)
+
+
+def normalize_half_safe_eps(emb):
+    return F.normalize(emb.half(), dim=-1, eps=1e-4)
+
+
+def build_half_model(dim):
+    return nn.Linear(dim, dim).cuda().half()
+
+
+def optimizer_over_model_built_half(dim):
+    model = build_half_model(dim)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)  # AMP011
+
+
+class TemperedSoftmax(nn.Module):
+    def __init__(self, temperature=1.0):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, logits):
+        z = logits.half() / self.temperature
+        return z.exp() / (z.exp().sum(dim=-1, keepdim=True) + 1e-10)  # AMP011
+
+
+def scaled_by_width(x):
+    B, N, C = x.shape
+    h = x.half() * C ** -0.5
+    return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)  # AMP011
+
+
+def scaled_by_fp32_tensor(x, weight):
+    h = x.half() * weight.float()
+    return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)
+
+
+class HalfTrainer:
+    def __init__(self, model):
+        self.model = model.half()
+
+    def build_optimizer(self):
+        return torch.optim.Adam(self.model.parameters(), lr=1e-3)  # AMP011
+
+
+class RestoredTrainer:
+    def __init__(self, model):
+        self.model = model.half()
+
+    def restore_fp32(self):
+        self.model = self.model.float()
+
+    def build_optimizer(self):
+        return torch.optim.Adam(self.model.parameters(), lr=1e-3)
