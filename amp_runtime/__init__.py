@@ -4,7 +4,7 @@
         train()
     print(g.report.summary())
 
-The names that need torch (``guard``, ``Guard``, ``AmpRuntimeWarning``, ``compare``) load
+The names that need torch (``guard``, ``Guard``, ``compare``) load
 on first use: the pytest plugin and ``python -m amp_runtime report`` import this package,
 and must neither break where torch is missing nor make every pytest run import it.
 """
@@ -12,12 +12,11 @@ import importlib
 import sys
 import types
 
-from .events import Event, GuardError, Report
+from .events import AmpRuntimeWarning, Event, GuardError, Report
 from .thresholds import Thresholds
 
 #: Public name -> the submodule that defines it.
-_LAZY = {"guard": "guard", "Guard": "guard", "AmpRuntimeWarning": "guard",
-         "compare": "compare"}
+_LAZY = {"guard": "guard", "Guard": "guard", "compare": "compare"}
 
 __all__ = [
     "guard", "Guard", "Event", "Report", "GuardError", "Thresholds", "AmpRuntimeWarning", "compare",

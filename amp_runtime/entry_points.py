@@ -27,9 +27,6 @@ ENTRY_POINTS: Tuple[Tuple[Any, str], ...] = (
     (torch.autograd, "backward"),
     (torch.autograd, "grad"),
     (torch, "_foreach_norm"),
-    # GradScaler subclasses that override its methods run these kernels observed
-    (torch, "_amp_foreach_non_finite_check_and_unscale_"),
-    (torch, "_amp_update_scale_"),
 )
 
 #: The original functions: the keys under which monitors declare their handlers.
@@ -74,9 +71,10 @@ def _observed(original: Callable) -> Callable:
     @functools.wraps(original)
     def observed(*args, **kwargs):
         guard = _current_guard()
-        if guard is None:  # another thread, or no guard
+        if guard is None or guard.passes_entry_points():  # another thread, no guard, or its own
             return original(*args, **kwargs)
-        return guard.run_entry_point(original, args, kwargs)
+        # the original runs once whatever the guard's code does around it
+        return guard.containment.around(guard, original, args, kwargs, guard.run_entry_point)
 
     return observed
 

@@ -24,6 +24,15 @@ Threads: the mode is per thread, so only ops of the thread that entered the guar
 checked; the global optimizer hooks ignore calls from other threads. Inside
 ``optimizer.step()`` the mode is off: the optimizer's many small ops are not forward
 computation and checking them would only cost time.
+
+Fail-safe: every entry into the guard's code runs through ``Guard.containment``
+(``containment.py``), the readings' judges (``Monitor.submit``), commits and flushes and the
+replay included. A monitor that raises is switched off for the rest of the run, a failure of
+the guard's own core (this module, the readings) switches the whole guard off, and either is
+reported once as AMP100 guard-failure; the user's calls that the guard wraps run exactly once,
+and their own exceptions reach the user unchanged. ``policy="raise"`` raises for findings only.
+
+torch.compile: from the first compilation on, the mode stays off the stack (``compiled.py``).
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ import importlib
 import json
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
@@ -45,8 +55,13 @@ from torch.optim.optimizer import (
 
 from flake8_amp.catalog import RULES, SEVERITIES, matches, severity_rank
 
+from .compiled import stop_watching, watch_compilations
+from .containment import Component, Containment, describe, failure_details
 from .entry_points import observe_entry_points, stop_observing_entry_points
-from .events import Event, GuardError, Report
+from .events import (
+    FINDINGS, GUARD_FAILURE, KEPT_OCCURRENCES, AmpRuntimeWarning, Event, EventGroup, GuardError,
+    Report,
+)
 from .mode import GuardMode
 from .monitors import Monitor
 from .readings import Readings
@@ -74,9 +89,8 @@ MONITOR_MODULES = (
 
 StepListener = Callable[[int, Dict[str, Any]], None]
 
-
-class AmpRuntimeWarning(UserWarning):
-    """Category of the warnings a guard issues under ``policy="warn"``."""
+#: Seconds between two ``events.jsonl`` records of the totals of an event that keeps repeating.
+REPEATS_INTERVAL = 60.0
 
 
 _local = threading.local()
@@ -118,8 +132,11 @@ def _choice(value, allowed: Sequence[str], argument: str) -> str:
     return value
 
 
-class Guard:
-    """A runtime guard; use through ``amp_runtime.guard(...)`` as a context manager."""
+class Guard(Component):
+    """A runtime guard; use through ``amp_runtime.guard(...)`` as a context manager.
+
+    As a ``Component`` it is the guard's core: when that fails, the whole guard switches off.
+    """
 
     def __init__(
         self,
@@ -151,6 +168,8 @@ class Guard:
         self.tensorboard = tensorboard
 
         self.report = Report()
+        #: Every entry into the guard's code runs through it (``containment.py``).
+        self.containment = Containment(self._report_failure)
         #: Steps completed so far, i.e. the 0-based index of the current step.
         self.step_index = 0
         #: The record of the step in progress, filled by the monitors (and their readings' judges).
@@ -180,7 +199,11 @@ class Guard:
         self._observing_entry_points = False
         self._optimizer_hooks = []
         self._unobserved_optimizers = []
-        self._events_file = None
+        self._events_log: Optional[EventsLog] = None
+        self._watching_compilations = False
+        #: Compilations in progress in this thread (torch.compile), and whether any ran.
+        self._compiling = 0
+        self.compiled = False
         self._tracing = self.trace == "always"
         #: The code that turned tracing on under trace="auto" (None when it is off).
         self.tracing_reason: Optional[str] = None
@@ -225,8 +248,24 @@ class Guard:
         """A judge found ``code`` (AMP112, AMP103, or ``scaler.SKIPPED``) in ``step``: re-run that
         step's forward with per-op checks now, if it still can be (``replay.py``), once per
         anomaly episode. The ``replay.Outcome`` for the judge's event (it says why a replay was
-        skipped), or None when there is none (an episode is open, or no replay is attached)."""
-        return None if self.replayer is None else self.replayer.request(code, step)
+        skipped), or None when there is none (an episode is open, no replay is attached, or the
+        replay failed: contained as its own failure, the judge and the run go on)."""
+        replayer = self.replayer
+        if replayer is None or replayer.failure is not None:
+            return None
+        outcome = self.containment.call(replayer, replayer.request, code, step)
+        return outcome if replayer.failure is None else None
+
+    def explain_nonfinite_grads(self, step: int, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """AMP103's ``emit`` arguments for ``step``, whose gradients are non-finite: replayed
+        first, they name where the NaN/Inf came from when the replay (or the step's live trace)
+        found it; otherwise as given."""
+        self.request_replay("AMP103", step)
+        replayer = self.replayer
+        if replayer is None or replayer.failure is not None:
+            return kwargs
+        explained = self.containment.call(replayer, replayer.explain_nonfinite_grads, step, kwargs)
+        return kwargs if explained is None else explained
 
     def step(self) -> None:
         """End the current training step by hand (for loops without optimizer or scaler)."""
@@ -235,10 +274,48 @@ class Guard:
 
     def flush(self) -> None:
         """Judge every device reading not judged yet, waiting for the device (once) where its
-        copy has not arrived. Called at exit; the pytest plugin calls it before judging a test."""
-        if self._active:
-            with self.unobserved():
+        copy has not arrived. Called at exit; the pytest plugin calls it before judging a test.
+        Under ``policy="raise"`` a finding judged now raises GuardError here."""
+        if self._active and self.failure is None:
+            with self.unobserved(), self.containment.guarding(self):
                 self.readings.flush()
+
+    @property
+    def label(self) -> str:
+        return "guard"
+
+    def switch_off(self) -> None:
+        """The guard's core failed: stop every check; the user's code runs as without a guard."""
+        for monitor in self.monitors:
+            if monitor.failure is None:
+                monitor.failure = self.failure
+                self.drop_monitor(monitor)
+        self.readings.clear()
+        if self._mode is not None:
+            self._mode.set_passthrough(True)
+            if self._mode_pushed and self._mode.pop():
+                self._mode_pushed = False
+
+    def drop_monitor(self, monitor: Monitor) -> None:
+        """Switch a failed monitor off: drop its handlers and its step work. Its hooks and the
+        judges of its readings do nothing from now on (``Containment``) and its hooks are removed
+        at exit: torch may be iterating over them right now (a failure inside an optimizer hook),
+        and removing one then would fail."""
+        self._step_ends = [f for f in self._step_ends if f.__self__ is not monitor]
+        self.step_listeners[:] = [listener for listener in self.step_listeners
+                                  if getattr(listener, "__self__", None) is not monitor]
+        if self._mode is not None:
+            self._mode.drop(monitor)
+        if monitor.essential and self.failure is None:  # the others cannot go on without it
+            self.failure = monitor.failure
+            self.switch_off()
+
+    def _report_failure(self, component: Component, error: BaseException) -> None:
+        """Containment's reporter: one AMP100 event for the part that failed."""
+        what = "the guard is" if self.failure is not None else "its checks are"
+        with self.unobserved():
+            self.emit(GUARD_FAILURE, component=component.label, error=describe(error), what=what,
+                      details=failure_details(component, error))
 
     def emit(
         self,
@@ -264,6 +341,8 @@ class Guard:
         """
         if self.suspended or not self.enabled(code):
             return None
+        if self.failure is not None and code != GUARD_FAILURE:
+            return None
         op = op if op is None or isinstance(op, str) else op_name(op)
         if step is None:
             step = self.step_index
@@ -286,7 +365,7 @@ class Guard:
             **message_fields,
         )
         if self.replayer is not None:
-            self.replayer.observe(event)
+            self.containment.call(self.replayer, self.replayer.observe, event)
         for guard in self._recorders():
             guard._record(event)
         self._apply_policy(event)
@@ -314,7 +393,7 @@ class Guard:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             self.flush()
-        except GuardError:
+        except FINDINGS:
             if exc_type is None:
                 raise
             # what was in flight is recorded; the exception that ends the block goes on
@@ -324,30 +403,48 @@ class Guard:
     # -- internals --------------------------------------------------------------------
 
     def _install(self) -> None:
+        # What the user configured fails here with a clear error (a log folder that cannot be
+        # written, a tensorboard argument), before anything is installed and nothing is lost.
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
-            events_path = os.path.join(self.log_dir, "events.jsonl")
-            self._events_file = open(events_path, "w", encoding="utf-8")
+            self._events_log = EventsLog(os.path.join(self.log_dir, "events.jsonl"))
+        monitors = self._build_monitors()
+        # A failure of the guard's own code from here on leaves the block running unguarded.
+        with self.containment.guarding(self):
+            self._install_checks(monitors)
+
+    def _install_checks(self, monitors: List[Monitor]) -> None:
+        contained = self.containment
         # The mode leaves before any other optimizer pre-hook runs and comes back after
         # every post-hook: the optimizer and the monitors' per-step work run unobserved.
-        self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._optimizer_step_starts))
-        for monitor in self._build_monitors():
+        self._optimizer_hooks.append(register_optimizer_step_pre_hook(
+            contained.wrap(self, self._optimizer_step_starts)))
+        for monitor in monitors:
             self.monitors.append(monitor)
-            monitor.attach(self)
+            contained.call(monitor, monitor.attach, self)
         # after the monitors' pre-hooks, which take the samples the optimizer is about to apply
-        self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._judge_before_step))
+        self._optimizer_hooks.append(register_optimizer_step_pre_hook(
+            contained.wrap(self, self._judge_before_step)))
+        working = [m for m in self.monitors if m.failure is None]
         # the step end calls only the monitors that do something there
-        self._step_ends = _overridden(self.monitors, "on_step_end")
+        self._step_ends = _overridden(working, "on_step_end")
+        handler_maps = [(m, contained.call(m, m.op_handlers) or {}) for m in working]
         self._mode = GuardMode(
-            (m.op_handlers() for m in self.monitors),
-            [m.trace_handler for m in self.monitors if m.trace_handler is not None],
-            frozenset().union(*(m.untraced for m in self.monitors)),
+            [(m, handlers) for m, handlers in handler_maps if m.failure is None],
+            [(m, m.trace_handler) for m in working if m.trace_handler is not None],
+            frozenset().union(*(m.untraced for m in working)),
+            contained.failed,
+            self,
         )
         self._mode.set_tracing(self._tracing)
         self._sync_mode()
         observe_entry_points(current_guard)
         self._observing_entry_points = True
-        self._optimizer_hooks.append(register_optimizer_step_post_hook(self._optimizer_step_ends))
+        watch_compilations(current_guard)
+        self._watching_compilations = True
+        self._optimizer_hooks.append(register_optimizer_step_post_hook(
+            contained.wrap(self, self._optimizer_step_ends)))
+        self._look_for_modules()
 
     def _uninstall(self) -> None:
         """Remove everything ``_install`` put in place, whatever state it reached."""
@@ -363,6 +460,9 @@ class Guard:
         if self._observing_entry_points:
             stop_observing_entry_points()
             self._observing_entry_points = False
+        if self._watching_compilations:
+            stop_watching()
+            self._watching_compilations = False
         if self._mode is not None:
             if self._mode_pushed and not self._mode.pop():
                 errors.append(RuntimeError(
@@ -371,15 +471,18 @@ class Guard:
             self._mode_pushed = self._in_optimizer = False
             self._mode = None
         for monitor in reversed(self.monitors):
-            try:
-                monitor.detach()
-            except Exception as err:  # keep removing the others' hooks
-                errors.append(err)
+            if monitor.failure is None:
+                self.containment.call(monitor, monitor.detach)
+            else:  # reported already: remove what it installed, as far as it still can
+                try:
+                    monitor.detach()
+                except Exception:
+                    pass
         self.monitors, self._step_ends = [], []
         self.readings.clear()
-        if self._events_file is not None:
-            self._events_file.close()
-            self._events_file = None
+        if self._events_log is not None:
+            self.containment.call(self._events_log, self._events_log.close)
+            self._events_log = None
         stack = active_guards()
         if self in stack:
             stack.remove(self)
@@ -409,34 +512,63 @@ class Guard:
         if mode is None or mode.dispatching:
             return
         wanted = (self._watching and not self.suspended and not self._hidden
-                  and not self._in_optimizer)
+                  and not self._in_optimizer and not self.compiled and self.failure is None)
         if wanted and not self._mode_pushed:
             self._mode_pushed = mode.push()
         elif not wanted and self._mode_pushed and mode.pop():
             # (a mode the user entered on top of ours keeps ours on the stack: checks go on)
             self._mode_pushed = False
 
-    def run_entry_point(self, original, args, kwargs):
+    def passes_entry_points(self) -> bool:
+        """Whether an entry point called now runs as it is: inside the guard's own work, the
+        optimizer's step, a compilation, or once the guard is off."""
+        return bool(self._hidden or self._in_optimizer or self._compiling
+                    or self.failure is not None)
+
+    def run_entry_point(self, call, args, kwargs):
         """An entry point (``entry_points.py``) was called in this guard's thread: run it
-        through the mode's handlers, with the mode off, as the mode runs a handled call."""
+        through the mode's handlers, with the mode off, as the mode runs a handled call.
+        ``call`` calls the original (``call.original``) once (``Containment.around``)."""
         mode = self._mode
-        if (mode is None or self._hidden or self._in_optimizer or is_compiling()
+        if (mode is None or self.passes_entry_points() or is_compiling()
                 or not torch._C._is_torch_function_enabled()):
-            return original(*args, **kwargs)
+            return call(*args, **kwargs)
         with self._unobserved:
-            return mode.__torch_function__(original, (), args, kwargs)
+            return mode.dispatch(call.original, call, args, kwargs)
+
+    def compilation_starts(self) -> None:
+        """torch.compile starts compiling in this thread (``compiled.py``): take the mode off the
+        stack before dynamo records it, for good, and step aside until it ends."""
+        with self.containment.guarding(self):
+            self._compiling += 1
+            for guard in active_guards():
+                guard.compiled = True
+                guard._sync_mode()
+            self.tracker.sight()  # the compiled model is running
+
+    def compilation_ends(self) -> None:
+        with self.containment.guarding(self):
+            self._compiling = max(0, self._compiling - 1)
+
+    def _look_for_modules(self) -> None:
+        """On the first watched steps, remember the root module the first op inside a module
+        runs in (one stack walk per op until one is found: ``tracking.py``)."""
+        if self._mode is not None and self.step_index < self.thresholds.watch_steps:
+            self._mode.look_for_modules(self.tracker.sight)
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
-        if self._mode is None or self._in_optimizer or self.suspended:
+        if self._mode is None or self._in_optimizer or self.suspended or self.failure is not None:
             return None
         if threading.get_ident() != self._thread:
             return None
-        # before the mode leaves: a closure is the user's forward and backward
+        # before the mode leaves: a closure is the user's forward and backward. It runs once
+        # here; what follows is the guard's own work and must not make the optimizer run it again
         arguments = _closure_run_first(args, kwargs)
-        self._in_optimizer = True
-        self._sync_mode()
-        if "zero_grad" not in vars(optimizer):
-            self._zero_grad_unobserved(optimizer)
+        with self.containment.guarding(self):
+            self._in_optimizer = True
+            self._sync_mode()
+            if "zero_grad" not in vars(optimizer):
+                self._zero_grad_unobserved(optimizer)
         return arguments
 
     def _zero_grad_unobserved(self, optimizer) -> None:
@@ -472,20 +604,19 @@ class Guard:
         return self._unobserved
 
     def _end_step(self) -> None:
-        with self.unobserved():
-            self._finish_step()
+        if self.failure is None:
+            with self.unobserved(), self.containment.guarding(self):
+                self._finish_step()
 
     def _finish_step(self) -> None:
         step, record = self.step_index, self.step_record
-        for on_step_end in self._step_ends:
-            on_step_end(step, record)
+        self.containment.notify(self._step_ends, step, record, default=self)
         readings = self.readings
         readings.commit()
         readings.after(functools.partial(self._step_judged, step, record))
         self.tracker.release_frames()  # the step's module calls are over: their inputs may go
         self.step_index = readings.step = step + 1
         self.step_record = {"step": step + 1}
-        readings.poll()
         self._quiet_steps += 1
         quiet = self._quiet_steps >= self.thresholds.auto_quiet_steps
         if self.trace == "auto" and self._tracing and quiet:
@@ -496,11 +627,16 @@ class Guard:
         limits = self.thresholds
         self._watching = (self._tracing or self.step_index < limits.watch_steps
                           or self.step_index % limits.watch_every == 0)
+        if self._watching:
+            self._look_for_modules()
+        if self._events_log is not None:
+            self.containment.call(self._events_log, self._events_log.write_due)
         self._sync_mode()
+        readings.poll()  # last: a finding it raises (policy="raise") finds the step ended
 
     def _step_judged(self, step: int, record: Dict[str, Any]) -> None:
-        for listener in self.step_listeners:
-            listener(step, record)
+        """Every reading of ``step`` has been judged: its record is complete."""
+        self.containment.notify(self.step_listeners, step, record, default=self)
 
     def _recorders(self) -> List["Guard"]:
         """This guard and the guards it is nested in, which record its events too."""
@@ -508,14 +644,14 @@ class Guard:
         return stack[: stack.index(self) + 1] if self in stack else [self]
 
     def _record(self, event: Event) -> None:
-        self.report.add(event)
-        if self._events_file is not None:
-            # default=str: a monitor's detail that JSON cannot hold must not fail the op
-            self._events_file.write(json.dumps(event.to_json(), default=str) + "\n")
-            self._events_file.flush()
+        group = self.report.add(event)
+        if self._events_log is not None:
+            self.containment.call(self._events_log, self._events_log.write, event, group)
 
     def _apply_policy(self, event: Event) -> None:
-        if self.policy == "raise" and severity_rank(event.severity) <= severity_rank(self.raise_at):
+        failure = event.code == GUARD_FAILURE
+        ranked = severity_rank(event.severity) <= severity_rank(self.raise_at)
+        if self.policy == "raise" and ranked and not failure:
             raise GuardError(event)
         if self.policy == "record":
             return
@@ -531,20 +667,90 @@ class Guard:
 
 
 class _Unobserved:
-    """``Guard.unobserved()``: keeps the mode off the stack while entered (re-entrant)."""
+    """``Guard.unobserved()``: keeps the mode off the stack while entered (re-entrant). It wraps
+    the user's calls too (``zero_grad``, GradScaler's methods, backward): it never raises."""
 
-    __slots__ = ("_guard",)
+    __slots__ = ("_guard", "_contained")
 
     def __init__(self, guard: Guard):
         self._guard = guard
+        self._contained = guard.containment.guarding(guard)
 
     def __enter__(self) -> None:
-        self._guard._hidden += 1
-        self._guard._sync_mode()
+        guard = self._guard
+        guard._hidden += 1
+        if guard._mode_pushed and guard.failure is None:  # else nothing to take off the stack
+            with self._contained:
+                guard._sync_mode()
 
     def __exit__(self, *exc_info) -> None:
-        self._guard._hidden -= 1
-        self._guard._sync_mode()
+        guard = self._guard
+        guard._hidden -= 1
+        if not guard._hidden and guard._watching and guard.failure is None:
+            with self._contained:  # back on the stack, if the step is watched
+                guard._sync_mode()
+
+
+class EventsLog(Component):
+    """``events.jsonl``: each event kept in full (``KEPT_OCCURRENCES`` per code and place) as one
+    line, and for one that keeps repeating a record of its totals (``EventGroup.repeats_record``)
+    when its count doubles, at most every ``REPEATS_INTERVAL`` seconds while it goes on, and at
+    exit. A full disk switches it off (AMP100); the events stay in ``guard.report``."""
+
+    label = "events.jsonl"
+
+    def __init__(self, path: str):
+        self._file = open(path, "w", encoding="utf-8")
+        #: Groups with occurrences not yet in a totals record: key -> (group, when last written).
+        self._unwritten: Dict[tuple, tuple] = {}
+        self._written_at: Dict[tuple, float] = {}
+
+    def write(self, event: Event, group: EventGroup) -> None:
+        if group.count <= KEPT_OCCURRENCES:
+            self._line(event.to_json())
+            return
+        now = time.monotonic()
+        key = group.key
+        last = self._written_at.get(key)
+        doubled = group.count & (group.count - 1) == 0
+        if doubled or last is None or now - last >= REPEATS_INTERVAL:
+            self._write_totals(group, now)
+        else:
+            self._unwritten[key] = group
+
+    def write_due(self) -> None:
+        """At a step end: the totals of the groups that stopped repeating a while ago."""
+        if not self._unwritten:
+            return
+        now = time.monotonic()
+        for key, group in list(self._unwritten.items()):
+            if now - self._written_at.get(key, 0.0) >= REPEATS_INTERVAL:
+                self._write_totals(group, now)
+
+    def _write_totals(self, group: EventGroup, now: float) -> None:
+        self._unwritten.pop(group.key, None)
+        self._written_at[group.key] = now
+        self._line(group.repeats_record())
+
+    def _line(self, record: Dict[str, Any]) -> None:
+        # default=str: a monitor's detail that JSON cannot hold must not fail the op
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        now = time.monotonic()
+        try:
+            for group in list(self._unwritten.values()):
+                self._write_totals(group, now)
+        finally:
+            self._file.close()
+
+    def switch_off(self) -> None:
+        self._unwritten.clear()
+        try:
+            self._file.close()
+        except OSError:  # a full disk fails the flush of the close too
+            pass
 
 
 def _closure_run_first(args, kwargs):
@@ -557,26 +763,34 @@ def _closure_run_first(args, kwargs):
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None or isinstance(closure, _FirstCallCached) or not callable(closure):
         return None
-    with torch.enable_grad():
-        result = closure()
-    cached = _FirstCallCached(closure, result)
+    result = error = None
+    try:
+        with torch.enable_grad():
+            result = closure()
+    except Exception as raised:  # the user's own: raised where the optimizer calls the closure
+        error = raised
+    cached = _FirstCallCached(closure, result, error)
     if "closure" in kwargs:
         return args, {**kwargs, "closure": cached}
     return (args[0], cached, *args[2:]), kwargs
 
 
 class _FirstCallCached:
-    """A closure whose first call returns the result it already produced."""
+    """A closure whose first call returns the result it already produced (or raises the
+    exception it raised)."""
 
-    __slots__ = ("_closure", "_result", "_called")
+    __slots__ = ("_closure", "_result", "_error", "_called")
 
-    def __init__(self, closure, result):
-        self._closure, self._result, self._called = closure, result, False
+    def __init__(self, closure, result, error=None):
+        self._closure, self._result, self._error, self._called = closure, result, error, False
 
     def __call__(self):
         if self._called:
             return self._closure()
         self._called = True
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         result, self._result = self._result, None
         return result
 
@@ -608,10 +822,10 @@ def guard(
     """Run AMP checks over the ``with`` block; see DESIGN.md section 4.
 
     ``policy``: "warn" (one warning per code and source line), "raise" (GuardError at the
-    first event at or above ``raise_at``) or "record". ``select``/``ignore``: code
-    prefixes. ``trace``: "off" (cheap checks only), "always" (per-op checks) or "auto"
-    (cheap until an anomaly, then per-op until ``thresholds.auto_quiet_steps`` quiet
-    steps). ``log_dir``: write ``events.jsonl`` (and the monitors' logs) there.
-    ``model``: names modules in reports.
+    first event at or above ``raise_at``; a failure of the guard's own code, AMP100, only warns)
+    or "record". ``select``/``ignore``: code prefixes. ``trace``: "off" (cheap checks only),
+    "always" (per-op checks) or "auto" (cheap until an anomaly, then per-op until
+    ``thresholds.auto_quiet_steps`` quiet steps). ``log_dir``: write ``events.jsonl`` (and the
+    monitors' logs) there. ``model``: names modules in reports.
     """
     return Guard(policy, select, ignore, trace, thresholds, log_dir, model, tensorboard, raise_at)

@@ -20,7 +20,6 @@ import json
 import linecache
 import math
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -56,13 +55,19 @@ class RunLog:
     """What one guarded run left in its log folder."""
 
     log_dir: Path
-    events: List[Event] = field(default_factory=list)
+    #: The events, as the guard's report holds them: exact counts, a few occurrences in full.
+    report: Report = field(default_factory=Report)
     #: One dict per step, sorted by step.
     steps: List[Dict[str, Any]] = field(default_factory=list)
     #: What the reader had to leave out, for the page.
     notes: List[str] = field(default_factory=list)
     #: The process's rank in a distributed run (its ``rank-N`` folder), else None.
     rank: Optional[int] = None
+
+    @property
+    def events(self) -> List[Event]:
+        """The occurrences kept in full (``Report.events``)."""
+        return self.report.events
 
     def series(self, key: str) -> Tuple[List[int], List[float]]:
         """Steps and finite values of one per-step number (missing values skipped)."""
@@ -82,6 +87,8 @@ class RunLog:
         """Steps whose loss was NaN/Inf: metrics.jsonl writes those losses as null, so
         the guard's AMP112 events say which they were."""
         steps = {e.step for e in self.events if e.code == _NONFINITE_LOSS and e.step is not None}
+        steps.update(step for group in self.report.groups() if group.code == _NONFINITE_LOSS
+                     for step in (group.first_step, group.last_step) if step is not None)
         steps.update(r["step"] for r in self.steps if _is_nonfinite(r.get("loss")))
         return sorted(steps)
 
@@ -113,13 +120,16 @@ def load_run(log_dir: Union[str, Path]) -> RunLog:
                           "(is it a guard's log_dir?)")
     run = RunLog(folder)
     if events_path.exists():
-        run.events = [_event(record, where)
-                      for record, where in _read_jsonl(events_path, "an event", run.notes)]
+        for record, where in _read_jsonl(events_path, "an event", run.notes):
+            try:
+                run.report.add_record(record)
+            except ValueError as err:
+                raise ReportError(f"{where}: not an amp_runtime event ({err})") from None
     if metrics_path.exists():
         run.steps = [_step_record(record, where)
                      for record, where in _read_jsonl(metrics_path, "a step", run.notes)]
         run.steps.sort(key=lambda r: r["step"])
-    if not run.events and not run.steps:
+    if not len(run.report) and not run.steps:
         raise ReportError(f"{folder}: the logs are empty (did the guarded run take any step?)")
     return run
 
@@ -145,13 +155,6 @@ def _read_jsonl(path: Path, what: str, notes: List[str]) -> Iterator[Tuple[Any, 
                 continue
             raise ReportError(f"{path}:{number}: not JSON: {err}") from None
         yield record, f"{path}:{number}"
-
-
-def _event(record, where: str) -> Event:
-    try:
-        return Event.from_json(record)
-    except ValueError as err:
-        raise ReportError(f"{where}: not an amp_runtime event ({err})") from None
 
 
 def _step_record(record, where: str) -> Dict[str, Any]:
@@ -191,16 +194,16 @@ def diagnose(run: RunLog) -> List[str]:
         peak = max(range(len(norms)), key=norms.__getitem__)
         findings.append(
             f"The total gradient norm peaked at {norms[peak]:.3g} at step {norm_steps[peak]}.")
-    if run.events:
-        counts = Counter(e.code for e in run.events)
-        worst = min(run.events, key=lambda e: severity_rank(e.severity))
-        severities = Counter(e.severity for e in run.events)
+    if len(run.report):
+        counts = run.report.codes()
+        worst = min(run.report.groups(), key=lambda group: severity_rank(group.severity)).first
+        severities = run.report.severities()
         by_severity = ", ".join(f"{severities[s]} {s}" for s in sorted(severities))
         frequent = ", ".join(f"{c} ×{n}" for c, n in counts.most_common(3))
         findings.append(
-            f"{len(run.events)} event(s) ({by_severity}); most frequent {frequent}; "
+            f"{len(run.report)} event(s) ({by_severity}); most frequent {frequent}; "
             f"worst: {worst.code} {worst.name}{_where(worst)}.")
-    if not (overflow or bad_loss or run.events):
+    if not (overflow or bad_loss or len(run.report)):
         _, scales = run.series("loss_scale")
         ended = f", loss scale ended at {scales[-1]:g}" if scales else ""
         findings.insert(0, f"No problems found: {len(run.steps)} step(s), no events{ended}.")
@@ -506,7 +509,7 @@ _NO_MATPLOTLIB = (
 
 def render(run: RunLog) -> str:
     """The HTML text of the report of one run (one process)."""
-    counts = f"{len(run.steps)} step(s), {len(run.events)} event(s)"
+    counts = f"{len(run.steps)} step(s), {len(run.report)} event(s)"
     return _page(run.log_dir, counts, _run_body(run))
 
 
@@ -515,7 +518,7 @@ def render_ranks(log_dir: Path, runs: Sequence[RunLog], notes: Sequence[str] = (
     first and at which step, a table of the ranks, then each rank's own report."""
     esc = html.escape
     steps = max((len(run.steps) for run in runs), default=0)
-    events = sum(len(run.events) for run in runs)
+    events = sum(len(run.report) for run in runs)
     parts = [*(f'<p class="note">{esc(note)}</p>' for note in notes)]
     first = first_failure(runs)
     healthy = first is None
@@ -526,12 +529,11 @@ def render_ranks(log_dir: Path, runs: Sequence[RunLog], notes: Sequence[str] = (
         "<th>first event</th></tr>",
     ]
     for run in runs:
-        report = Report(run.events)
-        worst = report.worst()
+        worst = run.report.worst()
         earliest = _earliest(run.events)
         parts.append(
             f'<tr><td><a href="#rank-{run.rank}">{run.rank}</a></td><td>{len(run.steps)}</td>'
-            f"<td>{len(run.events)}</td><td>{_severity_cell(worst) if worst else ''}</td>"
+            f"<td>{len(run.report)}</td><td>{_severity_cell(worst) if worst else ''}</td>"
             f"<td>{esc(_describe(earliest)) if earliest else ''}</td></tr>")
     parts.append("</table></section>")
     for run in runs:
@@ -587,9 +589,11 @@ def _run_body(run: RunLog, prefix: str = "", heading: str = "h2") -> List[str]:
     parts.append("</section>")
     parts += _section(f"{prefix}summary", "Events by code and place", _summary_rows(run), heading)
     parts += _section(f"{prefix}events", "Events", _event_rows(run), heading)
-    if len(run.events) > MAX_EVENT_ROWS:
-        more = len(run.events) - MAX_EVENT_ROWS
-        parts.append(f"<p>… and {more} more event(s), all in {EVENTS_FILE}.</p>")
+    shown = min(len(run.events), MAX_EVENT_ROWS)
+    if len(run.report) > shown:
+        more = len(run.report) - shown
+        parts.append(f"<p>… and {more} more event(s), counted in the summary above; "
+                     f"{EVENTS_FILE} holds the first of each and their totals.</p>")
     return parts
 
 
@@ -651,21 +655,22 @@ def _severity_cell(severity: str) -> str:
 
 
 def _summary_rows(run: RunLog) -> Table:
-    """One row per (code, source, module), worst severity first."""
+    """One row per (code, source, module), worst severity first, with exact counts."""
     esc = html.escape
-    groups = sorted(Report(run.events).grouped(),
-                    key=lambda group: (severity_rank(group[0].severity), group[0].code))
+    groups = sorted(run.report.groups(),
+                    key=lambda group: (severity_rank(group.severity), group.code))
     rows = [
-        [esc(e.code), _severity_cell(e.severity), str(len(group)), _step(e), esc(e.op or ""),
-         esc(e.module or ""), esc(e.source or ""), esc(e.message)]
-        for group in groups for e in group[:1]
+        [esc(group.code), _severity_cell(group.severity), str(group.count), group.steps(),
+         esc(group.first.op or ""), esc(group.module or ""), esc(group.source or ""),
+         esc(group.first.message)]
+        for group in groups
     ]
-    header = ("code", "severity", "count", "first step", "op", "module", "source", "message")
+    header = ("code", "severity", "count", "steps", "op", "module", "source", "message")
     return header, rows
 
 
 def _event_rows(run: RunLog) -> Table:
-    """Every event (up to MAX_EVENT_ROWS) with the text of its source line."""
+    """The events kept in full (up to MAX_EVENT_ROWS) with the text of their source lines."""
     esc = html.escape
     rows = []
     for e in run.events[:MAX_EVENT_ROWS]:

@@ -79,7 +79,7 @@ class MetricsLog(Monitor):
         losses, self._losses = self._losses, []
         record["loss"] = None
         if losses:
-            self.guard.readings.submit(losses, functools.partial(_mean_loss, record))
+            self.submit(losses, functools.partial(_mean_loss, record))
 
     def write(self, step: int, record: Dict[str, Any]) -> None:
         if self._file is None:

@@ -9,7 +9,8 @@
   every test.
 
 Allowing: ``allow`` lists code prefixes, as in flake8 (``AMP102``, ``AMP10``). A P0
-event (training is broken) is only allowed by its full code, never by a prefix.
+event (training is broken) is only allowed by its full code, never by a prefix. AMP100 (the
+guard's own code failed) never fails a test: the report shows it.
 
 torch is imported only when a guarded test runs, so the plugin costs nothing in
 suites that do not use it, and never breaks a run where torch is not installed.
@@ -23,7 +24,7 @@ import _pytest
 import pluggy
 import pytest
 
-from amp_runtime.events import PACKAGE_DIR, GuardError, Report
+from amp_runtime.events import GUARD_FAILURE, PACKAGE_DIR, GuardError
 
 #: Frames of pytest, pluggy and amp_runtime (this plugin's call wrapper) above a test's own.
 _RUNNER_DIRS = tuple(os.path.dirname(module.__file__) + os.sep
@@ -159,16 +160,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if not len(events):
         return
     allow = item.stash[_ALLOW_KEY]
-    failing = [e for e in events if not is_allowed(e.code, e.severity, allow)]
-    if not (failing and report.passed):
+    # a failure of the guard's own code (AMP100) is shown, but it is not the test's fault
+    failing = events.select(lambda group: group.code != GUARD_FAILURE and not all(
+        is_allowed(group.code, severity, allow) for severity in group.severities))
+    if not (len(failing) and report.passed):
         report.sections.append(("amp_guard events", events.summary()))
         return
-    codes = ", ".join(sorted({e.code for e in failing}))
+    codes = ", ".join(sorted({group.code for group in failing.groups()}))
     allowed = f"; allowed: {', '.join(allow)}" if allow else ""
     report.outcome = "failed"
     report.longrepr = (  # the first line is pytest's short summary: the codes come first
         f"amp_guard: {codes} not allowed ({len(failing)} event(s){allowed})\n"
-        f"{Report(failing).summary()}"
+        f"{failing.summary()}"
     )
 
 

@@ -3,8 +3,10 @@
 A monitor never reads a tensor itself (on a GPU every ``.item()``, ``.tolist()`` or ``.cpu()`` in
 a training step is a host sync). It ``submit``s small tensors computed on the device (the loss,
 gradient norms, the GradScaler's state, AMP106's counts, per-op peaks while tracing) together
-with a judge. At a commit point (the optimizer step pre-hook, the step end) everything submitted
-is packed into one buffer per device and copied to the host with ``non_blocking=True`` (into
+with a judge (through ``Monitor.submit``, which runs the judge contained as that monitor's
+code: a judge that fails switches its monitor off, ``containment.py``). At a commit point (the
+optimizer step pre-hook, the step end) everything submitted is packed into one buffer per
+device and copied to the host with ``non_blocking=True`` (into
 pinned memory where the source is on an accelerator), and an event recorded behind the copy.
 ``poll`` then judges, in submission order, every batch whose copy is known complete — the
 event's ``query()`` never waits — and calls each judge with the values and the step they were

@@ -56,7 +56,7 @@ from torch.compiler import is_compiling
 from torch.nn.modules import module as module_globals
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .events import GuardError
+from .events import FINDINGS, AmpRuntimeWarning
 from .mode import GuardMode
 from .monitors import Monitor, readable, tensors_in
 from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
@@ -371,8 +371,9 @@ class _Localizer:
     set of parameters whose gradients were non-finite in the step.
     """
 
-    def __init__(self, guard):
-        self._guard = guard
+    def __init__(self, replay: "StepReplay"):
+        self._replay = replay
+        self._guard = replay.guard
         #: autograd node -> (op, module path, location) of the op that created it.
         self.where: Dict[Any, Tuple[str, Optional[str], Location]] = {}
 
@@ -409,11 +410,13 @@ class _Localizer:
 
         # every node of the replayed graph, also those no replayed op created (a custom
         # autograd Function's): the inputs were detached, so the walk stays in this graph
-        handles = [node.register_hook(functools.partial(seen, node))
+        contain = self._guard.containment.wrap
+        handles = [node.register_hook(contain(self._replay, functools.partial(seen, node)))
                    for node in _graph_nodes(root.grad_fn for root in roots)]
         wanted = [p for p in params if p.requires_grad]
         try:
-            grads = torch.autograd.grad(roots, wanted, seeds, allow_unused=True) if wanted else ()
+            grads = _users_code("backward", torch.autograd.grad, roots, wanted, seeds,
+                                allow_unused=True) if wanted else ()
         finally:
             for handle in handles:
                 handle.remove()
@@ -430,6 +433,18 @@ class _Localizer:
                                 {"node": node.name(), "backward_from": start})
                 return origin, nonfinite
         return None, nonfinite
+
+
+def _users_code(what: str, function: Callable, *args, **kwargs):
+    """``function(*args, **kwargs)``, the user's forward or backward run again by a replay: what
+    it raises makes the replay stop (``ReplayError``), the user's run goes on. (The replay's own
+    code raising is a failure of the guard's: contained where the replay was asked for.)"""
+    try:
+        return function(*args, **kwargs)
+    except (ReplayError, *FINDINGS):
+        raise
+    except Exception as err:
+        raise ReplayError(f"the replayed {what} raised {type(err).__name__}: {err}") from None
 
 
 def _graph_nodes(starts) -> Iterator[Any]:
@@ -506,15 +521,16 @@ class _RootLearning:
         self._thread: Optional[int] = None
         self.active = False
 
-    def start(self) -> None:
-        """Learn from the module calls of the calling thread (the guard's)."""
+    def start(self, contain: Callable[[Callable], Callable]) -> None:
+        """Learn from the module calls of the calling thread (the guard's); ``contain`` wraps
+        the hooks as the guard's containment does (``Containment.wrap``)."""
         self.active = True
         self._thread = threading.get_ident()
         warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]
         self._handles = [
-            module_globals.register_module_forward_pre_hook(self._pre),
-            module_globals.register_module_forward_hook(self._post, always_call=True),
+            module_globals.register_module_forward_pre_hook(contain(self._pre)),
+            module_globals.register_module_forward_hook(contain(self._post), always_call=True),
         ]
 
     def stop(self) -> None:
@@ -600,7 +616,7 @@ class StepReplay(Monitor):
         guard.replayer = self
         guard.step_listeners.append(self._step_judged)
         self.keep(register_optimizer_step_post_hook(self._optimizer_step_ends))
-        self._learning.start()
+        self._learning.start(lambda hook: guard.containment.wrap(self, hook))
 
     def detach(self) -> None:
         self._learning.remove()
@@ -768,22 +784,17 @@ class StepReplay(Monitor):
                 raise ReplayError(reason)
         params = list(dict.fromkeys(p for module in modules for p in module.parameters()))
         for module in modules:
-            guard.tracker.name_root(module)
+            guard.tracker.saw_root(module)
         self.replaying = True
-        try:
-            with _local_only(), guard.unobserved():
-                try:
-                    with _preserved(modules), _eager():
-                        if localize and observed is None:
-                            observed = _nonfinite_grads(params, guard.readings)
-                        self._run(outcome, calls, trace, localize, params, observed)
-                finally:  # also when a finding raises (policy="raise"): the run stops there
-                    self.replaying = False
-                    self._save_once(outcome, calls, modules, observed)
-        except (ReplayError, GuardError):
-            raise
-        except Exception as err:  # the user's forward failed on replay: their run goes on
-            raise ReplayError(f"the replayed forward raised {type(err).__name__}: {err}") from None
+        with _local_only(), guard.unobserved():
+            try:
+                with _preserved(modules), _eager():
+                    if localize and observed is None:
+                        observed = _nonfinite_grads(params, guard.readings)
+                    self._run(outcome, calls, trace, localize, params, observed)
+            finally:  # also when a finding or the guard's own code raises: the run stops there
+                self.replaying = False
+                self._save_once(outcome, calls, modules, observed)
 
     def _run(self, outcome, calls, trace, localize, params, observed) -> None:
         """Each call in order, traced; stop at the first forward cause."""
@@ -791,18 +802,23 @@ class StepReplay(Monitor):
         op_trace = OpTrace(guard.tracker) if trace else None
         replayed_nonfinite: Set[int] = set()
         for call in calls:
-            localizer = _Localizer(guard) if localize else None
-            handlers = [] if op_trace is None else [op_trace.check]
+            localizer = _Localizer(self) if localize else None
+            # (owner, handler): the replay's mode runs them contained, as the guard's does
+            handlers = [] if op_trace is None else [(self, op_trace.check)]
             if localizer is not None:
-                handlers.append(localizer.record)
+                handlers.append((self, localizer.record))
             # views and copies create autograd nodes too: the localizer sees every op
-            mode = GuardMode((), handlers, frozenset() if localizer else UNTRACED_FUNCTIONS)
+            mode = GuardMode((), handlers, frozenset() if localizer else UNTRACED_FUNCTIONS,
+                             guard.containment.failed, guard)
             mode.set_tracing(True)
             module = eager_module(call.module)
             set_rng_state(call.rng)
             with _autocast(call.autocast), torch.enable_grad(), _training(module, call.training):
                 with mode:
-                    out = module(*_detached(call.args), **_detached(call.kwargs))
+                    out = _users_code("forward", module, *_detached(call.args),
+                                      **_detached(call.kwargs))
+            if self.failure is not None:  # a handler of the replay's failed (AMP100): stop
+                return
             if op_trace is not None:
                 self._judge_trace(op_trace, outcome.step)
             if outcome.step in self._forward_causes:
@@ -810,6 +826,8 @@ class StepReplay(Monitor):
                 return
             if localizer is not None:
                 origin, nonfinite = localizer.backward(out, params)
+                if self.failure is not None:
+                    return
                 replayed_nonfinite |= nonfinite
                 outcome.origin = outcome.origin or origin
             del out
@@ -848,8 +866,6 @@ class StepReplay(Monitor):
         """Say why a replay or a bundle failed, once per reason (the run goes on)."""
         if reason not in self._warned and self.guard.policy == "warn":
             self._warned.add(reason)
-            from .guard import AmpRuntimeWarning
-
             warnings.warn(f"amp_runtime: {message}", AmpRuntimeWarning, stacklevel=2)
 
     # -- offline (python -m amp_runtime replay) ----------------------------------------------

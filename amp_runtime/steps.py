@@ -11,6 +11,9 @@
   as two steps. An optimizer stepping again before the cycle completed also ends the step.
 * ``guard.step()`` for loops with neither; once it is called, automatic detection stays off.
 
+An optimizer subclass whose ``step()`` calls ``super().step()`` runs the global step hooks twice,
+nested: only the outer call counts.
+
 Gradient accumulation needs nothing special: micro-batches only run backward, and steps end where
 the optimizer or the scaler acts.
 """
@@ -33,6 +36,7 @@ class StepDetector(Monitor):
     """Ends the guard's steps at scaler updates or optimizer steps."""
 
     codes = ()
+    essential = True  # without step ends, per-step state would pile up
 
     def __init__(self):
         super().__init__()
@@ -42,6 +46,8 @@ class StepDetector(Monitor):
         self._backward_since_step = False
         self._ended_by_optimizer = False
         self._joined_ended_step = False
+        #: Optimizer steps in progress: the hooks of a step() nested in another are not a step.
+        self._stepping = 0
 
     def attach(self, guard):
         super().attach(guard)
@@ -72,6 +78,9 @@ class StepDetector(Monitor):
             self._end_step()
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
+        self._stepping += 1
+        if self._stepping > 1:  # an optimizer subclass's step() calling super().step()
+            return
         if not self._automatic() or self._watch.scaler_stepping():  # scaler.update() ends that step
             return
         if id(optimizer) in self._stepped:  # a new iteration began before the cycle completed
@@ -82,7 +91,8 @@ class StepDetector(Monitor):
             self._joined_ended_step = self._ended_by_optimizer and not self._backward_since_step
 
     def _optimizer_step_ends(self, optimizer, args, kwargs):
-        if not self._automatic() or self._watch.scaler_stepping():
+        self._stepping -= 1
+        if self._stepping > 0 or not self._automatic() or self._watch.scaler_stepping():
             return
         self._stepped.add(id(optimizer))
         if self._last_in_cycle is None or self._last_in_cycle() is not optimizer:

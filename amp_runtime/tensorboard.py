@@ -10,7 +10,6 @@ and closes its own ``torch.utils.tensorboard.SummaryWriter``.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from typing import Any, Dict, List
 
 from .monitors import Monitor
@@ -33,17 +32,18 @@ class TensorBoardWriter(Monitor):
         self.target = target
         self.writer = None
         self.owns_writer = False
-        self.counted = 0
-        self.counts: Counter = Counter()
-
-    def attach(self, guard) -> None:
-        super().attach(guard)
-        if isinstance(self.target, (str, os.PathLike)):
+        self._writer_class = None
+        if not is_writer:  # a missing package is a clear error when the guard is entered
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ImportError(_INSTALL_HINT) from None
-            self.writer = SummaryWriter(log_dir=os.fspath(self.target))
+            self._writer_class = SummaryWriter
+
+    def attach(self, guard) -> None:
+        super().attach(guard)
+        if self._writer_class is not None:
+            self.writer = self._writer_class(log_dir=os.fspath(self.target))
             self.owns_writer = True
         else:
             self.writer = self.target
@@ -56,13 +56,10 @@ class TensorBoardWriter(Monitor):
                 self.writer.add_scalar(f"amp/{key}", value, step)
         if "skipped" in record:
             self.writer.add_scalar("amp/skipped", int(bool(record["skipped"])), step)
-        events = self.guard.report.events
-        for event in events[self.counted:]:
-            self.counts[event.severity] += 1
-            self.counts[event.code] += 1
-        self.counted = len(events)
-        self.writer.add_scalar("amp/events/total", self.counted, step)
-        for key, count in sorted(self.counts.items()):
+        report = self.guard.report
+        self.writer.add_scalar("amp/events/total", len(report), step)
+        counts = {**report.severities(), **report.codes()}  # exact, however many were kept
+        for key, count in sorted(counts.items()):
             self.writer.add_scalar(f"amp/events/{key}", count, step)
 
     def detach(self) -> None:

@@ -2,9 +2,19 @@
 
 Both are read off the Python call stack when an event is emitted (and, while tracing, for
 each checked op: ``ModuleTracker.site``), so tracking costs nothing while no event happens.
+A step-level check judged after its call (a loss read at backward, judged at the optimizer
+step or a step later) takes the line of that call the first time the loop makes it
+(``ModuleTracker.loop_location``): a steady step reads no frame.
 (``torch.utils.module_tracker.ModuleTracker`` instead registers a multi-grad hook per module
 call and keeps the handles until it exits, which grows over a long run and costs host time
 per call.)
+
+Modules that are not running (a parameter's module in a gradient event, a submodule cast
+with ``.half()``) are named inside the root modules the guard has seen: ``guard(model=...)``,
+the outermost running module whenever the stack is read (an event, a compilation, and on the
+first watched steps the first op run inside a module: ``ModuleTracker.sight``). Never by
+searching the heap. ``torch.compile``'s wrapper is transparent: names are those of the
+compiled module, without ``_orig_mod``.
 
 The user's line is the innermost frame outside torch, this package and the training
 frameworks that drive the loop (Lightning, Hugging Face transformers and accelerate):
@@ -14,17 +24,17 @@ frame, where there is one, is kept as the library's line.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
 import weakref
 from types import CodeType, FrameType
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
 from .events import PACKAGE_DIR
-from .monitors import live_instances
 
 #: Top-level packages of the training frameworks whose frames are not the user's.
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate")
@@ -76,11 +86,18 @@ def call_frames(frame):
 
 def format_source(filename: str, lineno: int) -> str:
     """``file:line``, relative to the working directory when the file is below it."""
+    return f"{_shown_path(filename, os.getcwd())}:{lineno}"
+
+
+@functools.lru_cache(maxsize=256)
+def _shown_path(filename: str, cwd: str) -> str:
+    """``filename`` relative to ``cwd`` when it is below it (cached: an event that repeats at
+    every step names the same few files)."""
     try:
-        relative = os.path.relpath(filename)
+        relative = os.path.relpath(filename, cwd)
     except ValueError:  # another drive on Windows
-        relative = filename
-    return f"{filename if relative.startswith('..') else relative}:{lineno}"
+        return filename
+    return filename if relative.startswith("..") else relative
 
 
 #: ``(file, line)`` of a frame, or None.
@@ -114,6 +131,26 @@ def op_name(func) -> str:
     return getattr(func, "__name__", None) or str(func)
 
 
+#: The attribute under which ``torch.compile``'s ``OptimizedModule`` holds the compiled module.
+COMPILED_MODULE = "_orig_mod"
+
+
+def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``module``."""
+    if type(module).__name__ == "OptimizedModule":
+        inner = module._modules.get(COMPILED_MODULE)
+        if isinstance(inner, torch.nn.Module):
+            return inner
+    return module
+
+
+def clean_path(path: str) -> str:
+    """A module or parameter path without ``torch.compile``'s ``_orig_mod`` steps."""
+    if COMPILED_MODULE not in path:
+        return path
+    return ".".join(part for part in path.split(".") if part != COMPILED_MODULE)
+
+
 class ModuleTracker:
     """Names the module whose forward is running, from the Python call stack.
 
@@ -125,32 +162,53 @@ class ModuleTracker:
 
     Names come from ``model.named_modules()`` when a model is given; otherwise a module
     is named, the first time it is asked for, by where it sits in the running module
-    that contains it, or for a module not running (``model.blocks[2].half()``) in the live
-    root module that contains it. The root module is reported by its class name.
+    that contains it, or for a module not running (``model.blocks[2].half()``) in a root
+    module seen earlier (``roots``). The root module is reported by its class name.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None):
         self._names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+        self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        #: Grows each time a new root module is seen: names not found before may be found now.
+        self.generation = 0
         #: The module call frame ``site`` read last, its module's path and where it was called.
         self._last_call: Tuple[Optional[FrameType], Optional[str], Location] = (None, None, NOWHERE)
         #: ``_code_kind`` of the code objects ``site`` met.
         self._code_kinds: Dict[CodeType, int] = {}
+        #: ``loop_location``'s locations, by the caller's key.
+        self._loop_locations: Dict[Hashable, Location] = {}
         if model is not None:
-            for name, module in model.named_modules():
-                self._names.setdefault(module, name)
+            self.saw_root(model)
+
+    def roots(self) -> List[torch.nn.Module]:
+        """The root modules seen so far (``model=`` and the outermost modules seen running)."""
+        return list(self._roots)
+
+    def saw_root(self, module: torch.nn.Module) -> None:
+        """Remember ``module`` (an outermost running module, or ``model=``) as a root."""
+        module = unwrap_compiled(module)
+        if module in self._roots:
+            return
+        self._roots.add(module)
+        self.generation += 1
+        for name, child in module.named_modules():
+            self._names.setdefault(child, clean_path(name))
+
+    def sight(self) -> bool:
+        """Look at the stack for a running module and remember its root; whether one ran."""
+        stack = running_modules()
+        if stack:
+            self.saw_root(stack[0])
+        return bool(stack)
 
     def current(self) -> Optional[str]:
         """Path of the innermost running module, or None outside any module."""
         stack = running_modules()
         if not stack:
             return None
-        return self._path(stack[-1], stack) or type(stack[-1]).__name__
-
-    def name_root(self, module: torch.nn.Module) -> None:
-        """Name ``module``'s submodules by their path below it, unless already named: a root
-        whose forward runs outside any module (the replay's, ``replay.py``)."""
-        for path, sub in module.named_modules():
-            self._names.setdefault(sub, path)
+        self.saw_root(stack[0])
+        module = unwrap_compiled(stack[-1])
+        return self._path(module, stack) or type(module).__name__
 
     def site(self) -> Tuple[Optional[str], Location]:
         """Where the running op was called: the innermost running module's path and the code
@@ -186,6 +244,7 @@ class ModuleTracker:
         module = frame.f_locals.get("self")
         module_path = None
         if isinstance(module, torch.nn.Module):
+            module = unwrap_compiled(module)
             module_path = self._names.get(module)
             if module_path is None:  # the first time: named from the running modules
                 module_path = self.current()
@@ -195,12 +254,26 @@ class ModuleTracker:
         self._last_call = (frame, module_path, called_from)
         return module_path, called_from
 
+    def loop_location(self, key: Hashable) -> Location:
+        """Where the loop makes the step-level call ``key`` names (the how-many-th backward of a
+        step, an optimizer's step, a scaler's update), for a judge that runs after the call: read
+        off the stack (``call_frames``) the first time, then remembered. A loop makes the same
+        calls from the same lines at every step: no stack walk per step."""
+        known = self._loop_locations.get(key)
+        if known is None:
+            if len(self._loop_locations) >= MAX_LOOP_LOCATIONS:
+                self._loop_locations.clear()
+            user, library = call_frames(sys._getframe(1))
+            known = self._loop_locations[key] = (_place(user), _place(library))
+        return known
+
     def release_frames(self) -> None:
         """Forget the module call ``site`` read last (its frame keeps the call's locals alive)."""
         self._last_call = (None, None, NOWHERE)
 
     def name_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` (running or not), or its class name when unknown."""
+        module = unwrap_compiled(module)
         return self._path(module, running_modules()) or type(module).__name__
 
     def _path(self, module: torch.nn.Module, stack: List[torch.nn.Module]) -> str:
@@ -217,26 +290,22 @@ class ModuleTracker:
             parent = stack[depth]
             path = _path_below(parent, module)
             if path:
-                prefix = self._path(parent, stack[:depth])
+                prefix = self._path(unwrap_compiled(parent), stack[:depth])
                 return f"{prefix}.{path}" if prefix else path
         if stack:
             return ""  # running below a root that does not contain it: no better name
-        return next(filter(None, (_path_below(root, module) for root in live_root_modules())), "")
+        return next(filter(None, (_path_below(root, module) for root in self.roots())), "")
 
 
 def _path_below(parent: torch.nn.Module, module: torch.nn.Module) -> str:
     """The dotted path of ``module`` inside ``parent`` ("" if it is not a descendant)."""
-    return next((path for path, child in parent.named_modules() if child is module and path), "")
+    return next((clean_path(path) for path, child in parent.named_modules()
+                 if child is module and clean_path(path)), "")
 
 
 _CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__
-
-
-def live_root_modules() -> List[torch.nn.Module]:
-    """Every live module that is no other live module's child (a heap walk: call rarely)."""
-    modules = live_instances(torch.nn.Module)
-    children = {id(child) for module in modules for child in module.children()}
-    return [module for module in modules if id(module) not in children]
+#: Step-level calls ``ModuleTracker.loop_location`` remembers (a few per loop); beyond it, anew.
+MAX_LOOP_LOCATIONS = 256
 
 
 def running_modules() -> List[torch.nn.Module]:

@@ -215,6 +215,22 @@ _RULES: Tuple[Rule, ...] = (
         ``torch.finfo(dtype).tiny``), or do the computation in fp32.""",
     ),
     _rule(
+        "AMP100", "guard-failure", "P2", (RUNTIME,),
+        "amp_runtime's {component} failed ({error}): {what} off for the rest of the run",
+        "the training goes on unchanged; report it with details['traceback']",
+        "the guard's own code failed; that part is switched off",
+        """The guard never breaks the run it watches. When its own code raises (a bug in a
+        check, a value it cannot read, a full disk under ``log_dir``), the part that failed is
+        switched off for the rest of the run: its hooks are removed and its handlers dropped.
+        The training goes on with unchanged numerics, and this event, reported once per part,
+        says what is no longer checked. It never raises, also under ``policy="raise"``, and the
+        ``amp_guard`` fixture does not fail a test for it.""",
+        """Nothing to change in your code. The checks of the part named in ``details["component"]``
+        are missing for the rest of the run; report the failure to flake8-amp with
+        ``details["traceback"]``. For ``events.jsonl`` on a full disk, free space: the events stay
+        in ``guard.report``.""",
+    ),
+    _rule(
         "AMP101", "nonfinite-forward", "P0", (RUNTIME,),
         "{op} produced {kind} from finite inputs",
         "look at this op's inputs' magnitude; keep it in fp32 or rescale",

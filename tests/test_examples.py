@@ -52,7 +52,7 @@ def test_linter_finds_exactly_the_marked_bugs(lint_findings):
     assert lint_findings.get("buggy_train.py", set()) == expected
 
 
-@pytest.mark.parametrize("script", ["train_healthy.py", "train_overflow.py"])
+@pytest.mark.parametrize("script", ["train_healthy.py", "train_overflow.py", "train_nanogpt.py"])
 def test_correctly_written_scripts_have_no_findings(script, lint_findings):
     assert lint_findings.get(script, set()) == set()
 

@@ -1,4 +1,5 @@
 """The amp_guard pytest plugin, exercised through real pytest sessions (pytester)."""
+import pytest
 import torch
 from test_no_torch import _blocked_env
 
@@ -192,3 +193,60 @@ def test_bad_allow():
         "*amp_guard (marker or amp_guard_* ini options): *sometimes*",
         "*: allow= takes AMP codes as strings, got 101",
     ])
+
+
+#: (module, class, method made to fail, the test's step, what the test body sees)
+BROKEN_PARTS = [
+    # a handler, run during the test body
+    ("amp_runtime.rules.amp008", "BackwardUnderAutocast", "_check",
+     "model(torch.randn(4, 8)).pow(2).mean().backward()",
+     'assert [e.code for e in amp_guard.report.events] == ["AMP100"]'),
+    # the judge of a reading still pending when the body ends, judged by the plugin's flush
+    ("amp_runtime.monitors.forward", "ForwardMonitor", "_judge_loss",
+     '(model(torch.randn(4, 8)).sum() * float("nan")).backward()',
+     "assert len(amp_guard.report) == 0"),
+]
+
+
+@pytest.mark.parametrize("module, monitor, method, step, seen", BROKEN_PARTS,
+                         ids=[method for _, _, method, _, _ in BROKEN_PARTS])
+def test_a_failure_of_the_guard_itself_does_not_fail_the_test(pytester, module, monitor, method,
+                                                              step, seen):
+    """AMP100 says a part of the guard broke and was switched off: not the test's fault."""
+    pytester.makepyfile(test_guard_bug=f"""
+import pytest
+import torch
+from {module} import {monitor}
+
+def broken(self, *args):
+    raise ValueError("a bug in the check")
+
+@pytest.fixture
+def broken_part(monkeypatch):
+    monkeypatch.setattr({monitor}, "{method}", broken)
+
+def test_step(broken_part, amp_guard):
+    model = torch.nn.Linear(8, 2)
+    {step}
+    {seen}
+""")
+    result = _run(pytester, "-rP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*AMP100*P2*{monitor} failed (ValueError*"])
+
+
+def test_a_repeated_event_fails_the_test_once_with_its_exact_count(pytester):
+    pytester.makepyfile(test_repeated="""
+import torch
+
+def test_steps(amp_guard):
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(30):
+        (model(torch.randn(4, 8)).sum() * float("nan")).backward()
+        optimizer.zero_grad()
+""")
+    result = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["amp_guard: AMP112 not allowed (30 event(s))",
+                                 "AMP112*P0*30*0*backward*"])

@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import amp_runtime
 from amp_runtime import GuardError
+from amp_runtime.replay import _Localizer
 from test_readings import LaggingReadings
 
 THIS_FILE = os.path.relpath(__file__)
@@ -342,6 +343,25 @@ def test_a_backward_only_fault_is_localized_to_the_layer_whose_backward_made_it(
     assert_same_run(plain, result)
     for before, after in zip(seen_plain, seen_guarded):  # .grad untouched by the replay
         assert_identical(before, after)
+
+
+@pytest.mark.parametrize("method", ["record", "backward"])
+def test_a_failure_of_the_replays_own_code_is_contained(method, monkeypatch):
+    """A bug in the replay (its localizer: a handler of the replay's own mode, or the code around
+    the replayed backward) is AMP100 for the replay alone, reported once: the step's AMP103 is
+    still reported, and the run is the unguarded one."""
+    options = dict(steps=8, masked_sample={5})
+    plain = train(**options)
+
+    def failing(*args, **kwargs):
+        raise ValueError("a bug in the replay")
+
+    monkeypatch.setattr(_Localizer, method, failing)
+    g, result = guarded(**options)
+    assert_same_run(plain, result)
+    (failure,) = g.report.by_code("AMP100")
+    assert (failure.details["component"], failure.step) == ("StepReplay", 5)
+    assert g.report.by_code("AMP103")[0].step == 5
 
 
 class SqrtWithOwnBackward(torch.autograd.Function):

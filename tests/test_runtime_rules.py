@@ -37,11 +37,23 @@ def test_amp001_module_cast_in_training_is_one_event_per_module():
     assert event.source.endswith(f"test_runtime_rules.py:{cast.__code__.co_firstlineno + 1}")
 
 
-def test_amp001_names_a_cast_submodule_by_its_path_without_model_argument():
+def test_amp001_names_a_cast_submodule_by_its_path_in_a_model_seen_running():
+    """Without model=: named inside the root module the guard saw running (no heap search)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
-    (event,) = events(lambda: model[1][1].half(), "AMP001")
+
+    def body():
+        model(torch.randn(2, 4))
+        model[1][1].half()
+
+    (event,) = events(body, "AMP001")
     assert event.module == "1.1"
     assert event.message.startswith("module 1.1 cast to float16")
+
+
+def test_amp001_names_a_submodule_of_a_model_never_seen_by_its_class():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
+    (event,) = events(lambda: model[1][1].half(), "AMP001")
+    assert event.module == "Linear"
 
 
 def test_amp001_grad_requiring_tensor_cast():

@@ -5,15 +5,21 @@ deselected, calls ``attach`` in order and ``detach`` in reverse order on exit (a
 when the guarded block raised). Per-op checks are declared by ``op_handlers``: the
 guard's TorchFunctionMode merges every monitor's handlers into one table keyed by
 torch function, so an op no check cares about costs one dict look-up.
+
+A monitor is a ``Component`` of the guard's containment (``containment.py``): its handlers, the
+hooks it ``keep``s, the judges of the readings it ``submit``s, its step-end work and its listeners
+run contained, and at its first exception it is switched off (its handlers dropped, its hooks and
+judges inert) for the rest of the run.
 """
 from __future__ import annotations
 
-import gc
-import warnings
+import functools
 from collections import deque
 from typing import Any, Callable, Dict, FrozenSet, Iterator, NamedTuple, Optional, Tuple
 
 import torch
+
+from amp_runtime.containment import Component
 
 #: ``before(func, args, kwargs)`` runs before the op; it may call ``guard.emit``.
 Before = Callable[[Any, tuple, dict], None]
@@ -28,7 +34,7 @@ class OpHandler(NamedTuple):
     after: Optional[After] = None
 
 
-class Monitor:
+class Monitor(Component):
     """Base class: a group of related runtime checks sharing state and hooks."""
 
     #: Codes this monitor can emit; the guard skips it when none of them is enabled.
@@ -37,6 +43,8 @@ class Monitor:
     trace_handler: Optional[After] = None
     #: Functions the trace handlers need not see (views and copies cannot create NaN/Inf).
     untraced: FrozenSet[Any] = frozenset()
+    #: The other monitors cannot go on without it: its failure switches the whole guard off.
+    essential = False
 
     def __init__(self):
         self.guard = None
@@ -47,8 +55,22 @@ class Monitor:
         self.guard = guard
 
     def keep(self, handle) -> None:
-        """Remember a removable hook handle so that ``detach`` removes it."""
+        """Remember a removable hook handle so that ``detach`` removes it, and run the hook it
+        registered contained (``containment.py``): a hook that raises switches this monitor off.
+        Register every hook through here (after ``attach`` set ``self.guard``)."""
+        _contain_hooks(handle, lambda hook: self.guard.containment.wrap(self, hook))
         self._handles.append(handle)
+
+    def submit(self, tensors, judge: Callable[[list, int], None]) -> None:
+        """Have ``judge(values, step)`` judge ``tensors`` once their values reach the host through
+        the guard's readings (``readings.py``), contained as this monitor's code. Submit every
+        device value a check needs this way: no check reads one itself."""
+        guard = self.guard
+        guard.readings.submit(tensors, functools.partial(guard.containment.call, self, judge))
+
+    def switch_off(self) -> None:
+        """The monitor failed: the guard drops its handlers; its hooks do nothing from now on."""
+        self.guard.drop_monitor(self)
 
     def op_handlers(self) -> Dict[Any, OpHandler]:
         """Torch function -> OpHandler, merged into the guard's mode table."""
@@ -62,6 +84,19 @@ class Monitor:
         """Remove every hook this monitor installed."""
         while self._handles:
             self._handles.pop().remove()
+
+
+def _contain_hooks(handle, contain: Callable[[Callable], Callable]) -> None:
+    """Replace the hook ``handle`` removes by ``contain(hook)`` where torch keeps it: the dict a
+    ``torch.utils.hooks.RemovableHandle`` points to (optimizer, module and tensor hooks), or each
+    of the handles of ``torch.autograd.graph.register_multi_grad_hook``."""
+    hooks_ref = getattr(handle, "hooks_dict_ref", None)
+    hooks = hooks_ref() if callable(hooks_ref) else None
+    hook_id = getattr(handle, "id", None)
+    if hooks is not None and hook_id in hooks:
+        hooks[hook_id] = contain(hooks[hook_id])
+    for inner in getattr(handle, "handles", ()) or ():
+        _contain_hooks(inner, contain)
 
 
 # -- helpers shared by the checks -------------------------------------------------------
@@ -104,14 +139,6 @@ def autograd_nodes(root: torch.Tensor, limit: int) -> Iterator[Any]:
         seen.add(node)
         yield node
         queue.extend(next_node for next_node, _ in node.next_functions)
-
-
-def live_instances(cls) -> list:
-    """Every live object of ``cls`` (a full heap walk, for rare one-off look-ups)."""
-    with warnings.catch_warnings():
-        # isinstance() on some lazily deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
 
 
 def autocast_on(device_type: str) -> bool:

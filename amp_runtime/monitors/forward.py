@@ -39,7 +39,7 @@ from ..monitors import (
     readable,
     tensors_in,
 )
-from ..tracking import Location, user_location
+from ..tracking import Location
 
 
 #: ``a + b`` and ``a += b`` reach a mode as ``Tensor.add`` and ``Tensor.add_``.
@@ -282,9 +282,14 @@ class ForwardMonitor(Monitor):
         self.readings = guard.readings
         self.trace = OpTrace(guard.tracker)
         self._sample_counter = 0
+        #: The step whose backward calls ``_backwards`` counts (``_check_loss``).
+        self._backwards_step, self._backwards = -1, 0
+        self._collector = None
         if guard.enabled("AMP101") or guard.enabled("AMP102"):
             self.trace_handler = self._check_output
-            self.readings.collectors.append(self._submit_trace)
+            # each commit point hands the ops traced so far to the readings
+            self._collector = guard.containment.wrap(self, self._submit_trace)
+            self.readings.collectors.append(self._collector)
 
     def op_handlers(self) -> Dict[Any, OpHandler]:
         handlers: Dict[Any, OpHandler] = {}
@@ -298,8 +303,8 @@ class ForwardMonitor(Monitor):
         return handlers
 
     def detach(self) -> None:
-        if self._submit_trace in self.readings.collectors:
-            self.readings.collectors.remove(self._submit_trace)
+        if self._collector in self.readings.collectors:
+            self.readings.collectors.remove(self._collector)
         self.trace.take()
         super().detach()
 
@@ -325,7 +330,7 @@ class ForwardMonitor(Monitor):
             return
         with torch._C.DisableTorchFunction():
             stacked, positions, ops = self.trace.take()
-        self.readings.submit(stacked, functools.partial(self._judge_trace, ops, positions))
+        self.submit(stacked, functools.partial(self._judge_trace, ops, positions))
 
     def _judge_trace(self, ops: List[TracedOp], positions: List[int], values: List[float],
                      step: int) -> None:
@@ -345,7 +350,12 @@ class ForwardMonitor(Monitor):
         losses = [loss.detach() if loss.numel() == 1 else peak(loss) for loss in tensors_in(roots)
                   if loss.is_floating_point() and readable(loss)]
         if losses:
-            self.readings.submit(losses, functools.partial(self._judge_loss, user_location()))
+            guard = self.guard
+            if self._backwards_step != guard.step_index:
+                self._backwards_step, self._backwards = guard.step_index, 0
+            self._backwards += 1  # the how-many-th backward of the step: where the loop calls it
+            location = guard.tracker.loop_location(("backward", self._backwards))
+            self.submit(losses, functools.partial(self._judge_loss, location))
 
     def _judge_loss(self, location: Location, losses: List[float], step: int) -> None:
         nonfinite = [value for value in losses if not math.isfinite(value)]
@@ -372,7 +382,7 @@ class ForwardMonitor(Monitor):
         a_lost = ((total == b) | (a == 0)).all() & (a != 0).any()
         a_max, b_max = peak(a).float(), peak(b).float()
         ratio = torch.maximum(a_max, b_max) / torch.minimum(a_max, b_max)
-        self.readings.submit([torch.stack([(a_lost | b_lost).float(), ratio])], functools.partial(
+        self.submit([torch.stack([(a_lost | b_lost).float(), ratio])], functools.partial(
             self._judge_absorption, func, a.dtype, self._where()))
 
     def _judge_absorption(self, func, dtype, where, values, step) -> None:
@@ -402,7 +412,7 @@ class ForwardMonitor(Monitor):
         count = nonzero.sum()
         mean_log = torch.where(nonzero, magnitude.log2(), 0.0).sum() / count.clamp(min=1)
         ratio = torch.where(count > 0, magnitude.amax() / torch.exp2(mean_log), 0.0)
-        self.readings.submit([ratio], functools.partial(
+        self.submit([ratio], functools.partial(
             self._judge_reduction, func, source.dtype, self._where()))
 
     def _judge_reduction(self, func, dtype, where, values, step) -> None:

@@ -40,7 +40,7 @@ from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.monitors.scaler import watch_of
 from amp_runtime.rules.amp011 import flushes_to_zero
 from amp_runtime.thresholds import Thresholds
-from amp_runtime.tracking import live_root_modules, user_location
+from amp_runtime.tracking import ModuleTracker, clean_path
 
 #: Scaled magnitudes below this flush to zero in float16 (below 2**-25) or round to its smallest
 #: subnormal, 2**-24: the lowest bin of values it can hold, next to those it loses.
@@ -319,38 +319,39 @@ def judge_gradients(
 class ParameterNames:
     """Names parameters ``module.path.weight`` for reports.
 
-    From ``guard(model=...)`` when given; otherwise from the root modules alive when an unnamed
-    parameter is first met (one heap search per parameter at most, never per step); else
-    ``param<i>[shape]``.
+    From the root modules the guard has seen (``guard(model=...)``, modules seen running:
+    ``ModuleTracker.roots``), searched when an unnamed parameter is met and again once a new root
+    was seen (never per step, never on the heap); else ``param<i>[shape]``.
     """
 
-    def __init__(self, model: Optional[torch.nn.Module]):
+    def __init__(self, tracker: ModuleTracker):
+        self._tracker = tracker
         self._names: Dict[int, str] = {}
-        #: The name lists of the parameter lists met so far, by their ids.
-        self._lists: Dict[Tuple[int, ...], List[str]] = {}
-        if model is not None:
-            self._add(model)
+        #: The roots' generation last searched.
+        self._searched = -1
+        #: The name lists of the parameter lists met so far, by their ids (with whether all of
+        #: their parameters were found in a root).
+        self._lists: Dict[Tuple[int, ...], Tuple[List[str], bool]] = {}
 
-    def _add(self, module: torch.nn.Module) -> None:
-        for name, param in module.named_parameters(remove_duplicate=False):
-            self._names.setdefault(id(param), name)
-
-    def _search_modules(self) -> None:
-        for module in live_root_modules():
-            self._add(module)
+    def _search_roots(self) -> None:
+        self._searched = self._tracker.generation
+        for module in self._tracker.roots():
+            for name, param in module.named_parameters(remove_duplicate=False):
+                self._names.setdefault(id(param), clean_path(name))
 
     def names(self, params: Sequence[torch.Tensor]) -> List[str]:
         key = tuple(map(id, params))  # the same parameters every step: one look-up
         known = self._lists.get(key)
-        if known is None:
+        if known is None or not known[1] and self._searched != self._tracker.generation:
             if any(id(p) not in self._names for p in params):
-                self._search_modules()
-                for index, param in enumerate(params):
-                    self._names.setdefault(id(param), f"param{index}{list(param.shape)}")
+                self._search_roots()
+            found = all(id(p) in self._names for p in params)
+            names = [self._names.get(id(p)) or f"param{index}{list(p.shape)}"
+                     for index, p in enumerate(params)]
             if len(self._lists) >= _NAME_LISTS:
                 self._lists.clear()
-            known = self._lists[key] = [self._names[id(p)] for p in params]
-        return known
+            known = self._lists[key] = (names, found)
+        return known[0]
 
 
 class GradHealth(Monitor):
@@ -360,7 +361,7 @@ class GradHealth(Monitor):
 
     def __init__(self, guard):
         super().__init__()
-        self.names = ParameterNames(guard.model)
+        self.names = ParameterNames(guard.tracker)
         #: Samples taken when a scaler unscaled an optimizer's gradients (id -> samples), submitted
         #: when it steps on them; dropped at the step end if it does not (the scaler skipped).
         self.unscaled: Dict[int, List[GradSample]] = {}
@@ -375,7 +376,6 @@ class GradHealth(Monitor):
 
     def attach(self, guard):
         super().attach(guard)
-        self.readings = guard.readings
         self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
         self._watch = watch_of(guard)
         self._watch.check_listeners.append(self._unscaled)
@@ -492,9 +492,10 @@ class GradHealth(Monitor):
         ``skipped_if`` flags is set."""
         if not samples:
             return
-        judge = functools.partial(self._judge, key, samples, len(skipped_if),
-                                  self.guard.step_record, user_location())
-        self.readings.submit(reading_tensors(samples) + skipped_if, judge)
+        guard = self.guard
+        judge = functools.partial(self._judge, key, samples, len(skipped_if), guard.step_record,
+                                  guard.tracker.loop_location(("optimizer.step", key)))
+        self.submit(reading_tensors(samples) + skipped_if, judge)
 
     def _logged_step(self) -> bool:
         """Whether this step's per-layer statistics go to metrics.jsonl."""
@@ -540,9 +541,8 @@ class GradHealth(Monitor):
             condition = (code, kwargs.get("severity"), kwargs.get("layer"), layers_named)
             keys.add(condition)
             if condition not in previous:
-                if code == "AMP103" and self.guard.replayer is not None:
-                    self.guard.request_replay(code, step)  # before the optimizer applies them
-                    kwargs = self.guard.replayer.explain_nonfinite_grads(step, kwargs)
+                if code == "AMP103":  # replayed before the optimizer applies them
+                    kwargs = self.guard.explain_nonfinite_grads(step, kwargs)
                 self.guard.emit(code, **{"op": "optimizer.step", "location": location,
                                          "step": step, **kwargs})
         self._previous_keys[key] = keys

@@ -1,19 +1,28 @@
 """GradScaler state: loss-scale history (AMP107-AMP109) and the bookkeeping the scaler rules share.
 
-While a guard is active, ``GradScaler``'s ``unscale_``, ``_check_inf_per_device``, ``step`` and
-``update`` run with the guard's mode suspended: they read ``.grad``, ``.dtype``, ``.device`` of
-every parameter, each read a crossing into the mode, which made GradScaler's bookkeeping most of
-the mode's work in an fp16 step. What they did is read from the scaler's own state around them
-(the per-optimizer ``found_inf_per_device``, ``_scale`` before and after ``update``). The methods
-are replaced on the class, not on the scaler (which stays picklable and copyable), only while a
-guard is active; in other threads and for subclasses that override them they run as before.
+Every GradScaler a loop can have is watched through its own methods: ``scale``, ``unscale_``,
+``_check_inf_per_device``, ``step`` and ``update`` are replaced, while a guard is active, on
+``torch.amp.GradScaler`` and on every subclass that overrides them (FSDP's ``ShardedGradScaler``,
+``torch.cuda.amp.GradScaler``, a user's subclass, also one defined while the guard is active). They
+are replaced on the classes, not on the scalers (which stay picklable and copyable), and run as
+before in other threads, while torch.compile traces, and inside one another (a subclass's method
+calling ``super()``'s runs the watch once).
 
-Scalers whose methods are not those (subclasses) are observed where they run
-``torch._amp_foreach_non_finite_check_and_unscale_`` and ``torch._amp_update_scale_`` (through
-the mode, or on unwatched steps the entry points, ``entry_points.py``); the ``GradScaler``
-running them is the ``self`` of the calling frame. A loss scaled by a scaler not seen
-yet (``scaler.scale(loss).backward()`` in the first step) is matched to its scaler by the scale
-tensor it was multiplied with.
+A scaler is known to the guard from its first ``scale()`` (a weak reference: no heap search);
+a loss the backward starts from is matched to its scaler by the scale tensor it was multiplied
+with. The methods run with the guard's mode suspended (they read ``.grad``, ``.dtype``,
+``.device`` of every parameter, each read a crossing into the mode), and what they did is read
+from the scaler's own state around them (the per-optimizer ``found_inf_per_device``, ``_scale``
+before and after ``update``): device tensors, submitted to the guard's readings
+(``readings.py``) and judged, with the step they belong to, once they reach the host. A step the
+scaler skipped is replayed (``replay.py``, trigger ``SKIPPED``). A disabled scaler
+(``GradScaler(enabled=False)``, or ``torch.cuda.amp.GradScaler()`` without CUDA) scales nothing:
+its methods run untouched, the checks that need loss scaling stay quiet and the step ends at
+``optimizer.step()``.
+
+The watch's own work runs contained (``containment.py``): the user's call runs exactly once
+whether the watch fails before or after it, and the user's own exceptions reach the loop
+unchanged.
 """
 from __future__ import annotations
 
@@ -22,24 +31,20 @@ import sys
 import threading
 import weakref
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.compiler import is_compiling
 
-from amp_runtime.entry_points import SharedPatch
-from amp_runtime.monitors import Monitor, OpHandler, live_instances
+from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.thresholds import Thresholds
-from amp_runtime.tracking import Location, user_location
+from amp_runtime.tracking import Location
 
 #: The trigger of a replay requested because a GradScaler skipped a step (``replay.py``).
 SKIPPED = "skipped"
 #: GradScaler's default init_scale; a higher initial scale calibrates down to about this.
 CALIBRATED_SCALE = 2.0 ** 16
-
-#: Frames searched upwards from a handler or hook for the GradScaler method that called it.
-_FRAME_DEPTH = 10
 
 
 class LossScaleHistory:
@@ -119,53 +124,8 @@ class LossScaleHistory:
         return [("AMP109", dict(skipped=count, window=window, details=details))]
 
 
-#: GradScaler methods that run the scaler kernels (their frames hold ``self`` and ``optimizer``).
-_SCALER_METHODS = frozenset({"_unscale_grads_", "unscale_", "_check_inf_per_device", "update"})
-#: GradScaler methods that call ``optimizer.step``.
-_STEPPING_METHODS = frozenset({"step", "_maybe_opt_step"})
-
-
-def scaler_call() -> Tuple[Optional[GradScaler], Optional[torch.optim.Optimizer], bool]:
-    """From inside a scaler kernel's handler: the GradScaler running it, the optimizer whose
-    gradients it processes, and whether they stay scaled (``_check_inf_per_device`` only checks)."""
-    optimizer = None
-    frame = sys._getframe(1)
-    for _ in range(_FRAME_DEPTH):
-        if frame is None:
-            break
-        name = frame.f_code.co_name
-        if name in _SCALER_METHODS:  # f_locals only here: building it costs time
-            local = frame.f_locals
-            scaler = local.get("self")
-            if isinstance(scaler, GradScaler):
-                if name != "_unscale_grads_":  # its caller tells whether it unscales
-                    return scaler, optimizer, name == "_check_inf_per_device"
-                optimizer = local.get("optimizer")
-        frame = frame.f_back
-    return None, None, False
-
-
-def inside_scaler_step() -> bool:
-    """Whether an enabled ``GradScaler.step`` called the running code (from an optimizer hook)."""
-    frame = sys._getframe(1)
-    for _ in range(_FRAME_DEPTH):
-        if frame is None:
-            return False
-        if frame.f_code.co_name in _STEPPING_METHODS:
-            scaler = frame.f_locals.get("self")
-            if isinstance(scaler, GradScaler):
-                return scaler.is_enabled()
-        frame = frame.f_back
-    return False
-
-
-def scaler_owning(scale: torch.Tensor) -> Optional[GradScaler]:
-    """The live GradScaler whose ``_scale`` is ``scale`` (a heap search: call rarely)."""
-    pointer = scale.data_ptr()
-    for obj in live_instances(GradScaler):
-        if getattr(obj, "_scale", None) is not None and obj._scale.data_ptr() == pointer:
-            return obj
-    return None
+#: Frames ``called_from`` searches upwards.
+_FRAME_DEPTH = 10
 
 
 def scale_factor_of(root: torch.Tensor) -> Optional[torch.Tensor]:
@@ -191,47 +151,99 @@ def backward_root(func, args, kwargs) -> Optional[torch.Tensor]:
 #: The torch functions a backward pass starts from.
 BACKWARD_FUNCTIONS = (torch.Tensor.backward, torch.autograd.backward)
 
-#: GradScaler methods run with the guard's mode suspended while a guard is active.
-_UNOBSERVED_METHODS = ("unscale_", "_check_inf_per_device", "step", "update")
-#: A scaler class overriding any of these (or of the above) is observed through the mode.
-_HELPER_METHODS = ("_unscale_grads_", "_maybe_opt_step")
-_TORCH_METHODS = {name: vars(GradScaler)[name] for name in _UNOBSERVED_METHODS + _HELPER_METHODS}
+#: GradScaler's methods the watch runs (on GradScaler and on the subclasses overriding them).
+WATCHED_METHODS = ("scale", "unscale_", "_check_inf_per_device", "step", "update")
 
 #: Per thread: the ScalerWatches of the active guards (``.stack``, innermost last).
 _watches = threading.local()
-_plain_classes: Dict[type, bool] = {}
 
 
 def _watch_for(scaler: GradScaler) -> Optional["ScalerWatch"]:
-    """The ScalerWatch observing ``scaler``'s methods directly: the innermost guard's in this
-    thread, unless the scaler's class overrides them or torch.compile is tracing."""
+    """The ScalerWatch running ``scaler``'s methods: the innermost guard's in this thread,
+    unless torch.compile is tracing."""
     stack = getattr(_watches, "stack", None)
     if not stack or is_compiling():
         return None
-    cls = type(scaler)
-    plain = _plain_classes.get(cls)
-    if plain is None:
-        plain = _plain_classes[cls] = all(
-            getattr(cls, name) is getattr(GradScaler, name) for name in _TORCH_METHODS)
-    return stack[-1] if plain else None
+    return stack[-1]
 
 
-def _unobserved_method(name: str):
-    original = _TORCH_METHODS[name]
-
+def _watched(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         watch = _watch_for(self)
         if watch is None:
             return original(self, *args, **kwargs)
-        return watch.run_scaler_method(name, original, self, args, kwargs)
+        # the user's call runs once whatever the watch does around it
+        return watch.guard.containment.around(watch, original, (self, *args), kwargs,
+                                              watch.runners[name])
 
+    method.__amp_runtime_original__ = original
     return method
 
 
-#: GradScaler's methods replaced while a guard is active.
-_SCALER_PATCH = SharedPatch(
-    (GradScaler, name, _unobserved_method(name)) for name in _UNOBSERVED_METHODS)
+class ScalerPatch:
+    """The watched methods, replaced on GradScaler and its subclasses while at least one guard is
+    active (refcounted, thread-safe). Subclasses defined meanwhile are patched as they are
+    created (``GradScaler.__init_subclass__``). A replaced method is restored by the last user
+    only if it is still ours: code that patched it after us keeps its own."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._users = 0
+        self._replaced: List[Tuple[type, str, Any, Callable]] = []
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users > 1:
+                return
+            for cls in _scaler_classes():
+                self._patch(cls)
+            GradScaler.__init_subclass__ = classmethod(_subclass_defined)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return
+            hook = vars(GradScaler).get("__init_subclass__")
+            if getattr(hook, "__func__", None) is _subclass_defined:
+                del GradScaler.__init_subclass__
+            for cls, name, original, new in reversed(self._replaced):
+                if vars(cls).get(name) is new:
+                    setattr(cls, name, original)
+            self._replaced = []
+
+    def _patch(self, cls: type) -> None:
+        with self._lock:
+            if not self._users:
+                return
+            for name in WATCHED_METHODS:
+                original = vars(cls).get(name)
+                if callable(original) and not hasattr(original, "__amp_runtime_original__"):
+                    new = _watched(name, original)
+                    setattr(cls, name, new)
+                    self._replaced.append((cls, name, original, new))
+
+
+def _scaler_classes() -> List[type]:
+    """GradScaler and its subclasses (a walk of the class hierarchy, not of the heap)."""
+    classes, queue = [], [GradScaler]
+    while queue:
+        cls = queue.pop()
+        if cls not in classes:
+            classes.append(cls)
+            queue.extend(cls.__subclasses__())
+    return classes
+
+
+def _subclass_defined(cls, **kwargs) -> None:
+    """``GradScaler.__init_subclass__`` while a guard is active: watch the new class too."""
+    super(GradScaler, cls).__init_subclass__(**kwargs)
+    _SCALER_PATCH._patch(cls)
+
+
+_SCALER_PATCH = ScalerPatch()
 
 
 #: ``listener(scaler, optimizer, still_scaled, grads)`` after a scaler checked an optimizer's
@@ -240,7 +252,7 @@ CheckListener = Callable[[GradScaler, torch.optim.Optimizer, bool, Optional[list
 
 
 class ScalerState:
-    """What the guard knows about one GradScaler during a run."""
+    """What the guard knows about one (enabled) GradScaler during a run."""
 
     def __init__(self, scaler: GradScaler, limits: Thresholds):
         self.ref = weakref.ref(scaler)
@@ -270,24 +282,29 @@ class ScalerState:
 class ScalerWatch(Monitor):
     """Finds the GradScalers a loop uses, follows their state, judges the scale at each update.
 
-    Always attached (the scaler rules and step detection rely on it); its own findings are
-    AMP107-AMP109.
+    Always attached (the scaler rules, the gradient checks and step detection rely on it: its
+    failure switches the guard off); its own findings are AMP107-AMP109.
     """
 
     codes = ()
+    essential = True
 
     def __init__(self):
         super().__init__()
+        #: The enabled scalers seen scaling a loss, by id.
         self.states: Dict[int, ScalerState] = {}
-        self._searched: set = set()
-        self._scale_before: Optional[torch.Tensor] = None
         self._last_root = None
         #: Called after a scaler checked an optimizer's gradients (see ``CheckListener``).
         self.check_listeners: List[CheckListener] = []
         #: Called as ``listener(scaler)`` after a scaler updated its scale.
         self.update_listeners: List[Callable[[GradScaler], None]] = []
-        #: How many enabled ``GradScaler.step`` calls are running (run_scaler_method's).
+        #: How many enabled ``GradScaler.step`` calls are running.
         self.stepping = 0
+        #: Watched methods running, by name: a ``super()`` call inside one runs unwatched.
+        self._running: Dict[str, int] = {}
+        #: ``run_scaler_method`` for each watched method, as ``Containment.around`` calls it.
+        self.runners = {name: functools.partial(self.run_scaler_method, name=name)
+                        for name in WATCHED_METHODS}
         self._patched = False
 
     def attach(self, guard):
@@ -318,17 +335,12 @@ class ScalerWatch(Monitor):
             found = next((s for s in self.states.values()
                           if s.scaler is not None and s.scaler._scale is not None
                           and s.scaler._scale.data_ptr() == pointer), None)
-            if found is None and pointer not in self._searched:
-                self._searched.add(pointer)
-                owner = scaler_owning(factor)
-                found = None if owner is None else self.state_of(owner)
         self._last_root = (weakref.ref(root), found)
         return found
 
     def scaler_stepping(self) -> bool:
-        """Whether an enabled ``GradScaler.step`` runs the optimizer step in progress: known
-        without a frame walk for the scalers this watch runs, and in loops without a scaler."""
-        return self.stepping > 0 or bool(self.states) and inside_scaler_step()
+        """Whether an enabled ``GradScaler.step`` runs the optimizer step in progress."""
+        return self.stepping > 0
 
     def scaled_pending(self) -> List[ScalerState]:
         """Scalers that scaled a backward in this step and have not been updated since."""
@@ -350,13 +362,7 @@ class ScalerWatch(Monitor):
     # -- handlers ------------------------------------------------------------------------
 
     def op_handlers(self):
-        handlers = {
-            torch._amp_foreach_non_finite_check_and_unscale_: OpHandler(after=self._unscaled),
-            torch._amp_update_scale_: OpHandler(before=self._before_update, after=self._updated),
-        }
-        for func in BACKWARD_FUNCTIONS:
-            handlers[func] = OpHandler(before=self._backward_starts)
-        return handlers
+        return {func: OpHandler(before=self._backward_starts) for func in BACKWARD_FUNCTIONS}
 
     def _backward_starts(self, func, args, kwargs):
         root = backward_root(func, args, kwargs)
@@ -364,60 +370,72 @@ class ScalerWatch(Monitor):
         if state is not None:
             state.scaled_backward = True
 
-    def _unscaled(self, func, args, kwargs, out):
-        scaler, optimizer, still_scaled = scaler_call()
-        if scaler is not None and optimizer is not None:
-            self._checked(scaler, optimizer, still_scaled, args[0])
-
-    def _before_update(self, func, args, kwargs):
-        self._scale_before = args[0].detach().clone()
-
-    def _updated(self, func, args, kwargs, out):
-        scaler, _, _ = scaler_call()
-        if scaler is not None:
-            self._scale_updated(scaler, self._scale_before, args[0], args[2])
-
     # -- GradScaler's methods, run unobserved -------------------------------------------
 
-    def run_scaler_method(self, name, original, scaler, args, kwargs):
-        """Run ``original`` (GradScaler's method ``name``) without the mode, then report what it
-        did as the mode would have seen it in the scaler kernels."""
-        with self.guard.unobserved():
-            if name == "update":
-                return self._update(original, scaler, *args, **kwargs)
-            if name == "step" and scaler.is_enabled():
-                self.stepping += 1
-                try:
-                    return original(scaler, *args, **kwargs)
-                finally:
-                    self.stepping -= 1
-            out = original(scaler, *args, **kwargs)
-            if name != "step":  # unscale_ or _check_inf_per_device
-                optimizer = args[0] if args else kwargs.get("optimizer")
-                state = scaler._per_optimizer_states.get(id(optimizer))
-                if state and state["found_inf_per_device"]:  # the check kernel ran
-                    self._checked(scaler, optimizer, name == "_check_inf_per_device", None)
-            return out
+    def run_scaler_method(self, call, args, kwargs, name):
+        """Run the scaler's method ``name`` (``call``, once: ``Containment.around``) without the
+        mode, between the watch's own work before and after it, which runs contained."""
+        if self._running.get(name):  # a subclass's method calling super()'s
+            return call(*args, **kwargs)
+        scaler, method_args = args[0], args[1:]
+        contained = self.guard.containment
+        # (enabled, what the result is judged against), or None if the watch failed
+        before = contained.call(self, self._before, name, scaler, method_args, kwargs)
+        enabled = before is not None and before[0]
+        stepping = enabled and name == "step"
+        self._running[name] = 1
+        self.stepping += stepping
+        try:
+            with self.guard.unobserved():
+                out = call(*args, **kwargs)
+        finally:
+            self._running[name] = 0
+            self.stepping -= stepping
+        if enabled:
+            contained.call(self, self._after, name, scaler, method_args, kwargs, before[1])
+        return out
 
-    def _update(self, original, scaler, new_scale=None):
-        found = []
-        if new_scale is None and scaler.is_enabled() and scaler._scale is not None:
-            found = [found_inf for state in scaler._per_optimizer_states.values()
-                     for found_inf in state["found_inf_per_device"].values()]
-        if not found:  # no scale update kernel runs
-            return original(scaler, new_scale)
+    def _before(self, name, scaler, args, kwargs) -> Tuple[bool, Any]:
+        """Whether the scaler is enabled (a disabled one is left alone), and for ``update`` what
+        it reads."""
+        if not scaler.is_enabled():
+            return False, None
+        if name == "update":
+            new_scale = args[0] if args else kwargs.get("new_scale")
+            return True, self._update_starts(scaler, new_scale)
+        return True, None
+
+    def _after(self, name, scaler, args, kwargs, before) -> None:
+        if name == "scale":
+            self.state_of(scaler)
+        elif name in ("unscale_", "_check_inf_per_device"):
+            optimizer = args[0] if args else kwargs.get("optimizer")
+            state = scaler._per_optimizer_states.get(id(optimizer))
+            if state and state["found_inf_per_device"]:  # the check kernel ran
+                self._checked(scaler, optimizer, name == "_check_inf_per_device", None)
+        elif name == "update" and before is not None:
+            self._scale_updated(scaler, before[0], scaler._scale, before[1])
+
+    def _update_starts(self, scaler, new_scale) -> Optional[tuple]:
+        """The scale before ``update()`` and the sum of the found-inf flags it consumes (device
+        tensors); None when no scale update from inf checks runs (a new scale given, or no check
+        since the last)."""
+        if new_scale is not None or scaler._scale is None:
+            return None
+        found = [found_inf for state in scaler._per_optimizer_states.values()
+                 for found_inf in state["found_inf_per_device"].values()]
+        if not found:
+            return None
         scale = scaler._scale
-        before = scale.clone()
         # as update() combines them (it adds into the first one in place: sum before)
         found_inf = found[0] if len(found) == 1 else torch.stack(
             [t.to(scale.device) for t in found]).sum()
-        original(scaler, new_scale)
-        self._scale_updated(scaler, before, scale, found_inf)
+        return scale.clone(), found_inf
 
     def _checked(self, scaler, optimizer, still_scaled: bool, grads) -> None:
         self.state_of(scaler).optimizers.add(optimizer)
-        for listener in self.check_listeners:
-            listener(scaler, optimizer, still_scaled, grads)
+        self.guard.containment.notify(self.check_listeners, scaler, optimizer, still_scaled,
+                                      grads, default=self)
 
     def _scale_updated(self, scaler, used: torch.Tensor, new: torch.Tensor,
                        found_inf: torch.Tensor) -> None:
@@ -425,11 +443,11 @@ class ScalerWatch(Monitor):
         > 0: it skipped the step). Judged when the readings arrive, into this step's record."""
         state = self.state_of(scaler)
         state.scaled_backward = False
-        judge = functools.partial(self._judge_update, state, self.guard.step_record,
-                                  user_location())
-        self.guard.readings.submit([used, new, found_inf], judge)
-        for listener in self.update_listeners:
-            listener(scaler)
+        guard = self.guard
+        judge = functools.partial(self._judge_update, state, guard.step_record,
+                                  guard.tracker.loop_location(("GradScaler.update", id(scaler))))
+        self.submit([used, new, found_inf], judge)
+        guard.containment.notify(self.update_listeners, scaler, default=self)
 
     def _judge_update(self, state: ScalerState, record, location: Location, values, step) -> None:
         used, new, inf = values
@@ -456,6 +474,7 @@ class ScalerWatch(Monitor):
         self.check_listeners.clear()
         self.update_listeners.clear()
         self.states.clear()
+        self.stepping = 0
         self._last_root = None
 
 

@@ -27,6 +27,13 @@ def _tensors(args, kwargs):
     return list(first) if isinstance(first, (list, tuple)) else [first]
 
 
+def _may_hold_scaled_grads(state) -> bool:
+    """Whether a scaler may still hold some gradients scaled: an optimizer it knows is READY,
+    or it knows none yet and unscaled nothing (as ``_kernel_runs`` decides, for any gradients)."""
+    return (any(state.stage(opt) is OptState.READY for opt in state.optimizers)
+            or OptState.UNSCALED not in state.stages())
+
+
 def _owns_any(optimizer, grad_ids) -> bool:
     return any(p.grad is not None and id(p.grad) in grad_ids
                for group in optimizer.param_groups for p in group["params"])
@@ -49,6 +56,8 @@ class ClipBeforeUnscale(Monitor):
         pending = self._watch.scaled_pending() if self._watch is not None else []
         if not pending or self._reported_step == self.guard.step_index:
             return
+        if not any(map(_may_hold_scaled_grads, pending)):
+            return  # the usual loop: unscale_ came first (no frame walk at every step)
         clip = called_from(CLIP_FUNCTIONS, "clip_grad.py")
         if clip is None:
             return

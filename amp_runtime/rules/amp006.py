@@ -29,7 +29,9 @@ class StepBypassesScaler(Monitor):
 
     def __init__(self):
         super().__init__()
+        #: What was reported in the step ``_reported_step`` (kept for that step only).
         self._reported = set()
+        self._reported_step = None
         self._watch = None
         #: Optimizer -> (param, weakref to its grad, the grad's version) when the scaler stepped it.
         self._stepped_grads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -49,10 +51,11 @@ class StepBypassesScaler(Monitor):
         return {func: OpHandler(before=self._backward_starts) for func in BACKWARD_FUNCTIONS}
 
     def _once_per_step(self, kind: str) -> bool:
-        key = (kind, self.guard.step_index)
-        if key in self._reported:
+        if self._reported_step != self.guard.step_index:
+            self._reported_step, self._reported = self.guard.step_index, set()
+        if kind in self._reported:
             return False
-        self._reported.add(key)
+        self._reported.add(kind)
         return True
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):

@@ -82,7 +82,7 @@ class Fp16OverflowLiteral(Monitor):
         elif isinstance(constant, torch.Tensor) and constant.dim() == 0 and readable(constant):
             # a tensor constant, on any device, is read through the guard's readings
             judge = functools.partial(self._judge_tensor, func, self.guard.tracker.site())
-            self.guard.readings.submit([constant.detach()], judge)
+            self.submit([constant.detach()], judge)
 
     def _judge_tensor(self, func, where, values, step) -> None:
         value = values[0]
