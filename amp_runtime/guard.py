@@ -561,9 +561,9 @@ class Guard(Component):
             return None
         if threading.get_ident() != self._thread:
             return None
-        # before the mode leaves: a closure is the user's forward and backward. It runs once
-        # here; what follows is the guard's own work and must not make the optimizer run it again
-        arguments = _closure_run_first(args, kwargs)
+        # before the mode leaves: a closure is the user's forward and backward. If it runs here,
+        # what follows is the guard's own work and must not make the optimizer run it again
+        arguments = _observed_closure(self, optimizer, args, kwargs)
         with self.containment.guarding(self):
             self._in_optimizer = True
             self._sync_mode()
@@ -596,6 +596,13 @@ class Guard(Component):
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
         if self._in_optimizer and threading.get_ident() == self._thread:
             self._in_optimizer = False
+            self._sync_mode()
+
+    def _closure_runs(self, running: bool) -> None:
+        """A closure the optimizer calls (``_ObservedClosure``) starts or ends running: observed
+        as the user's code outside the optimizer's step while it runs."""
+        with self.containment.guarding(self):
+            self._in_optimizer = not running
             self._sync_mode()
 
     def unobserved(self) -> "_Unobserved":
@@ -753,26 +760,55 @@ class EventsLog(Component):
             pass
 
 
-def _closure_run_first(args, kwargs):
-    """``optimizer.step(closure)`` (Lightning's bf16 and fp32 steps, LBFGS) runs the forward
-    and backward inside the step. Run the closure here, before the step's checks (this
-    guard's pre-hook comes before the monitors'), so they see this step's gradients and the
-    forward runs observed; the optimizer's first call of the closure gets its result, later
-    calls (LBFGS's line search) run it again. None when there is no closure to run."""
+def _observed_closure(guard: Guard, optimizer, args, kwargs):
+    """``optimizer.step(closure)`` (Lightning's bf16 and fp32 steps, LBFGS, SAM) runs the user's
+    forward and backward inside the step, where the guard does not look. torch.optim's optimizers
+    call the closure first thing, before they touch a parameter: there the closure runs here,
+    before the step's checks (this guard's pre-hook comes before the monitors'), so that they see
+    this step's gradients; the optimizer's first call gets its result, later calls (LBFGS's line
+    search) run it again. Other optimizers may change the parameters before they call it (SAM
+    perturbs them): their closure runs where they call it, observed. The step's new arguments, or
+    None when there is no closure."""
     # the hook's ``args`` are step()'s, the optimizer first: a positional closure is args[1]
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if closure is None or isinstance(closure, _FirstCallCached) or not callable(closure):
+    if closure is None or isinstance(closure, (_FirstCallCached, _ObservedClosure)) \
+            or not callable(closure):
         return None
-    result = error = None
-    try:
-        with torch.enable_grad():
-            result = closure()
-    except Exception as raised:  # the user's own: raised where the optimizer calls the closure
-        error = raised
-    cached = _FirstCallCached(closure, result, error)
+    if _calls_closure_first(optimizer):
+        result = error = None
+        try:
+            with torch.enable_grad():
+                result = closure()
+        except Exception as raised:  # the user's own: raised where the optimizer calls the closure
+            error = raised
+        closure = _FirstCallCached(closure, result, error)
+    else:
+        closure = _ObservedClosure(guard, closure)
     if "closure" in kwargs:
-        return args, {**kwargs, "closure": cached}
-    return (args[0], cached, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure}
+    return (args[0], closure, *args[2:]), kwargs
+
+
+def _calls_closure_first(optimizer) -> bool:
+    """Whether ``optimizer``'s step is torch.optim's own (a subclass that keeps it included):
+    those call the closure before they change anything."""
+    return getattr(type(optimizer).step, "__module__", "").startswith("torch.optim.")
+
+
+class _ObservedClosure:
+    """A closure run where the optimizer calls it, observed as the user's code outside the step."""
+
+    __slots__ = ("_guard", "_closure")
+
+    def __init__(self, guard: Guard, closure):
+        self._guard, self._closure = guard, closure
+
+    def __call__(self):
+        self._guard._closure_runs(True)
+        try:
+            return self._closure()
+        finally:
+            self._guard._closure_runs(False)
 
 
 class _FirstCallCached:

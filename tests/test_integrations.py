@@ -1,5 +1,5 @@
 """What every trainer integration relies on: closures run by ``optimizer.step`` (Lightning's
-bf16 and fp32 steps, LBFGS) are watched like any forward and backward, and neither framework
+bf16 and fp32 steps, LBFGS, SAM) are watched like any forward and backward, and neither framework
 is imported until its integration is, which then says what to install."""
 import subprocess
 import sys
@@ -53,6 +53,75 @@ def test_an_overflow_inside_a_closure_is_found_at_its_step_before_the_optimizer_
     assert place(first.source) == line_of(Path(__file__), "# overflow in the closure")
     grads = [e for e in guard.report.events if e.code == "AMP103"]
     assert grads and grads[0].step == 2  # the closure's gradients, not the previous step's
+
+
+class SharpnessAware(torch.optim.Optimizer):
+    """SAM as its reference implementation steps: the weights move up the gradient computed
+    outside the step, the closure's forward and backward run there, the weights move back and the
+    base optimizer applies the closure's gradients. Pre-running its closure before the step (as
+    for torch.optim's optimizers, which call it first) would compute them at the wrong weights."""
+
+    def __init__(self, params, lr=0.05, rho=0.05):
+        super().__init__(params, {"lr": lr, "rho": rho})
+        self.base = torch.optim.SGD(self.param_groups, lr=lr)
+
+    @torch.no_grad()
+    def step(self, closure):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        moves = [p.grad * (self.defaults["rho"] / (norm + 1e-12)) for p in params]
+        torch._foreach_add_(params, moves)
+        self.zero_grad()
+        with torch.enable_grad():
+            loss = closure()
+        torch._foreach_sub_(params, moves)
+        self.base.step()
+        return loss
+
+
+def _sharpness_aware_training(steps, overflow_at=None):
+    """bf16 SAM steps: a first forward and backward, then ``optimizer.step(closure)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = SharpnessAware(model.parameters())
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+
+    def loss_of(overflow=False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+            if overflow:
+                out = out * 1e39  # overflow in the SAM closure
+        return nn.functional.mse_loss(out.float(), y)
+
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_of().backward()
+
+        def closure():
+            loss = loss_of(overflow=step == overflow_at)
+            loss.backward()
+            return loss
+
+        losses.append(optimizer.step(closure).item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_closure_of_an_optimizer_that_moves_the_weights_first_runs_where_it_calls_it():
+    """An optimizer that is not torch.optim's may change the weights before it calls the
+    closure (SAM): the guard lets it call the closure itself, and watches it there."""
+    plain_losses, plain_weights = _sharpness_aware_training(5)
+    with amp_runtime.guard(policy="raise", trace="always") as guard:
+        losses, weights = _sharpness_aware_training(5)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    assert guard.step_index == 5 and len(guard.report) == 0
+
+    with amp_runtime.guard(policy="record", trace="always") as guard:
+        _sharpness_aware_training(4, overflow_at=2)
+    first = guard.report.events[0]
+    assert (first.code, first.step, first.op) == ("AMP101", 2, "mul")
+    assert place(first.source) == line_of(Path(__file__), "# overflow in the SAM closure")
 
 
 def _import_in_a_fresh_python(code):
