@@ -137,18 +137,22 @@ class Names:
             if self.local_function(call) is function
         ]
 
+    def parameter_call_sites(self, name: nodes.Name) -> List[nodes.Call]:
+        """The call sites in this module of the function whose parameter ``name`` is."""
+        bindings = self.bindings(name)
+        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
+            return []
+        function = bindings[0].parent.parent
+        return self.call_sites(function) if isinstance(function, nodes.FunctionDef) else []
+
     def argument_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """What the parameter ``name`` receives: the argument at every call site of its
         function in this module (by position or keyword; the default where one is omitted).
         None if it is not a parameter, has no call site, or a site passes ``*args``."""
-        bindings = self.bindings(name)
-        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
-            return None
-        arguments = bindings[0].parent
-        function = arguments.parent
-        sites = self.call_sites(function) if isinstance(function, nodes.FunctionDef) else []
+        sites = self.parameter_call_sites(name)
         if not sites:
             return None
+        arguments = self.bindings(name)[0].parent
         positional = [a.name for a in arguments.posonlyargs + arguments.args]
         if sites and isinstance(sites[0].func, nodes.Attribute):
             positional = positional[1:]  # ``self.f(...)`` binds ``self``
