@@ -66,6 +66,9 @@ class Region:
     #: The autocast expression where its arguments are written (the ``torch.autocast(...)``
     #: call, the ``partial(...)`` holding ``dtype=``): the line to change.
     source: Optional[nodes.NodeNG] = None
+    #: For a context chosen at run time among autocasts that differ (``match precision:``
+    #: binding an fp16 and a bf16 autocast), each autocast it may be.
+    alternatives: Tuple["Region", ...] = ()
 
     @property
     def active(self) -> bool:
@@ -278,6 +281,7 @@ class Regions:
             devices.pop() if len(devices) == 1 else None,
             dtypes.pop() if len(dtypes) == 1 else None,
             found[0].source,
+            tuple(found) if len(dtypes) > 1 else (),
         )
 
     def _factory_spec(

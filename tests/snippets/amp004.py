@@ -255,3 +255,37 @@ def autocast_bf16_mean(x, weight):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         h = F.linear(x, weight)
         return h.mean()  # AMP004
+
+
+# ---- objects of this module's classes, through type hints or construction -------------
+class Whitening(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(64, 64)
+
+
+def whitened_views(model: Whitening, v1):
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.head(v1)
+        return (z - z.mean(0)) / z.float().std(0)  # AMP004
+
+
+def whitened_views_fp32(model: Whitening, v1):
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.head(v1).float()
+        return (z - z.mean(0)) / z.std(0)
+
+
+class Projector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+
+def replaced_projection(v1):
+    """Assigned from outside its class: what ``model.proj`` holds is no longer known."""
+    model = Projector()
+    model.proj = nn.Identity()
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.proj(v1)
+        return z.mean(0)
