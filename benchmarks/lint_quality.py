@@ -2,7 +2,13 @@
 
     python benchmarks/lint_quality.py                  # the bundled corpus, benchmarks/lint_corpus/
     python benchmarks/lint_quality.py --show-misses    # also list every false alarm and miss
+    python benchmarks/lint_quality.py benchmarks/lint_heldout   # the held-out corpus
     python benchmarks/lint_quality.py path/to/corpus
+
+``benchmarks/lint_heldout/`` is a second corpus, written and labelled by someone other than
+the rules' author before it was ever linted. Tune the rules on ``lint_corpus``; check on
+``lint_heldout`` that the tuning generalises (fixing a rule for one of its files makes it a
+training file: add a fresh one instead).
 
 The corpus is full training and model files (scripts, trainers, model code in the styles of
 nanoGPT, timm, pytorch/examples, Hugging Face, Lightning, detectron2, fairseq...) with real

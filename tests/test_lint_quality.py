@@ -50,3 +50,16 @@ def test_precision_and_recall_per_code(quality, code):
     assert quality.precision(code) >= MIN_PRECISION, quality.false.get(code)
     if labelled >= MIN_LABELS_FOR_RECALL:
         assert quality.recall(code) >= MIN_RECALL, quality.missed.get(code)
+
+
+@pytest.fixture(scope="module")
+def heldout_quality():
+    return _lint_quality().measure(ROOT / "benchmarks" / "lint_heldout")
+
+
+def test_heldout_corpus_precision_and_recall(heldout_quality):
+    """The held-out corpus (written by someone other than the rules' author, never tuned on
+    file by file) guards against tuning that only fits ``lint_corpus``."""
+    assert heldout_quality.unanalysed == []
+    assert heldout_quality.precision() >= MIN_PRECISION, heldout_quality.false
+    assert heldout_quality.recall() >= MIN_RECALL, heldout_quality.missed

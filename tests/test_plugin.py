@@ -286,3 +286,25 @@ def test_file_names_marking_inference_code(tmp_path, flake8, filename, expected)
     write(tmp_path, filename, ROLLOUT_CAST)
     result = flake8(["--isolated", "--select=AMP", filename], cwd=tmp_path)
     assert codes(result.stdout) == expected
+
+
+FP16_REFERENCE_TEST = textwrap.dedent("""\
+    import torch
+
+
+    def check_fp16_gradients(model, batch, expected):
+        model = model.half().cuda()
+        model(batch.half()).sum().backward()
+        torch.testing.assert_close(model.weight.grad, expected)
+    """)
+
+
+@pytest.mark.parametrize(
+    "filename, expected",
+    [("test_fp16_reference.py", []), ("fp16_test.py", []), ("check_fp16.py", ["AMP001"] * 2)],
+)
+def test_tests_that_assert_choose_dtypes_on_purpose(tmp_path, flake8, filename, expected):
+    """In a pytest test module, a function that asserts on what it computed casts on purpose."""
+    write(tmp_path, filename, FP16_REFERENCE_TEST)
+    result = flake8(["--isolated", "--select=AMP", filename], cwd=tmp_path)
+    assert codes(result.stdout) == expected

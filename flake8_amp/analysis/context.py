@@ -133,6 +133,8 @@ class GradContext:
         stem = os.path.splitext(os.path.basename(context.filename or ""))[0]
         file_words = FILE_INFERENCE_WORDS | context.options.inference_words
         self.file_is_inference = any(word in file_words for word in name_words(stem))
+        #: pytest's naming of test modules (``test_x.py``, ``x_test.py``).
+        self.file_is_test = stem.startswith("test_") or stem.endswith("_test")
         self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
         self._training_scopes: Dict[nodes.NodeNG, bool] = {}
         self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
@@ -167,10 +169,12 @@ class GradContext:
         return self._is_eval_scope(scope)
 
     def training_at(self, node: nodes.NodeNG) -> bool:
-        """There is positive evidence that ``node`` is training code: its function (or a
-        method of its class) is named for training, calls ``.backward()`` /
-        ``.zero_grad()``, or calls something named for training (``train_one_epoch()``,
-        ``model.train()``)."""
+        """There is positive evidence that ``node`` is training code: its function is named
+        for training, calls ``.backward()`` / ``.zero_grad()``, or calls something named for
+        training (``train_one_epoch()``, ``model.train()``); for an object kept on ``self``
+        (``self.model = model.half()`` in ``__init__``), any method of its class counts. A
+        local value in a method of a class that trains elsewhere (a mask cast for
+        communication in a pipeline engine) is not judged by the class."""
         scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
@@ -181,7 +185,7 @@ class GradContext:
         if self._calls_training(scope):
             return True
         owner = scope.parent if isinstance(scope, nodes.FunctionDef) else None
-        if isinstance(owner, nodes.ClassDef):
+        if isinstance(owner, nodes.ClassDef) and _kept_on_self(node):
             return any(
                 self._calls_training(method)
                 or named_for_training(method.name)
@@ -295,8 +299,44 @@ class GradContext:
         return self._frozen_objects[scope]
 
     def not_training_at(self, node: nodes.NodeNG) -> bool:
-        """Either of the above: gradients are off or the code is not training code."""
-        return self.no_grad_at(node) or self.inference_at(node)
+        """Gradients are off, the code is not training code, or ``node`` only checks values
+        (:meth:`checking_at`)."""
+        return self.no_grad_at(node) or self.inference_at(node) or self.checking_at(node)
+
+    def checking_at(self, node: nodes.NodeNG) -> bool:
+        """``node`` computes a value to compare: inside an ``assert`` statement or an argument
+        of an assertion (``assert_close(state["exp_avg"].half(), ref)``), or anywhere in a
+        test of a pytest test module (``test_x.py``) -- a function that asserts -- where
+        dtypes are chosen on purpose."""
+        parent = node.parent
+        while parent is not None and not isinstance(parent, (nodes.FunctionDef, nodes.Module)):
+            if isinstance(parent, nodes.Assert):
+                return True
+            if isinstance(parent, nodes.Call) and _is_assertion(parent):
+                return True
+            parent = parent.parent
+        if not self.file_is_test:
+            return False
+        scope = code_frame(node)
+        return any(
+            isinstance(sub, nodes.Assert) or (isinstance(sub, nodes.Call) and _is_assertion(sub))
+            for sub in scope_nodes(scope)
+        )
+
+    def fed_to_inference(self, expr: nodes.NodeNG) -> bool:
+        """``expr``'s object (the whole method chain) is handed to a call named for inference
+        or evaluation (``validate.run(model=attempt_load(f).half())``, ``evaluate(m.half(),
+        loader)``): it is used there, without gradients."""
+        while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
+            expr = expr.parent.parent
+        consumer = expr.parent.parent if isinstance(expr.parent, nodes.Keyword) else expr.parent
+        if not isinstance(consumer, nodes.Call) or consumer.func is expr:
+            return False
+        func = consumer.func
+        words = name_words(simple_name(func))
+        if isinstance(func, nodes.Attribute):
+            words += name_words(simple_name(func.expr))
+        return any(word in self.words for word in words)
 
     def _disables_grad(self, expr: nodes.NodeNG) -> bool:
         target = expr.func if isinstance(expr, nodes.Call) else expr
@@ -342,6 +382,21 @@ def _called_names(scope: nodes.NodeNG) -> List[str]:
 def _chain_call(node: Optional[nodes.NodeNG]) -> bool:
     """``node`` is ``<object>.<method>(...)`` with a method that returns the object."""
     return isinstance(node, nodes.Call) and method_call(node)[0] in CHAIN_METHODS
+
+
+def _is_assertion(call: nodes.Call) -> bool:
+    """``assert_close``, ``self.assertEqual``, ``np.testing.assert_allclose``, ``allclose``."""
+    name = simple_name(call.func)
+    return name.startswith("assert") or name in ("allclose", "isclose", "equal")
+
+
+def _kept_on_self(node: nodes.NodeNG) -> bool:
+    """The object of ``node``'s method chain starts from, or is stored in, ``self.<x>``."""
+    top = node
+    while isinstance(top.parent, nodes.Attribute) and _chain_call(top.parent.parent):
+        top = top.parent.parent
+    keys = (object_key(chain_root(node, CHAIN_METHODS)), object_key(assign_target(top)))
+    return any(key.startswith("self.") for key in keys)
 
 
 def _is_detach(node: nodes.NodeNG) -> bool:

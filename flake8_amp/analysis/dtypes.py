@@ -199,6 +199,31 @@ class Dtypes:
         """The dtype kind of ``expr``'s value, or None when it is not known."""
         return self._of(expr, 0)
 
+    def kinds(self, expr: nodes.NodeNG) -> Optional[FrozenSet[str]]:
+        """Every kind ``expr`` may have when :meth:`of` cannot name one: a name bound on
+        different paths (``q = q.float()``, then ``q = q.bfloat16()`` under an ``if``) or a
+        conditional expression; None when some alternative is unknown."""
+        kind = self.of(expr)
+        if kind is not None:
+            return frozenset({kind})
+        if isinstance(expr, nodes.IfExp):
+            alternatives = [self.of(expr.body), self.of(expr.orelse)]
+        elif isinstance(expr, nodes.Name):
+            statement = expr.statement()
+            alternatives = []
+            for binding in self.names.reaching_bindings(expr):
+                if binding.statement() is statement:
+                    continue
+                value = assigned_value(binding)
+                alternatives.append(
+                    self.of(value) if value is not None else self._unpacked(binding, 0)
+                )
+        else:
+            return None
+        if not alternatives or None in alternatives:
+            return None
+        return frozenset(alternatives)
+
     def _of(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
         if depth > _MAX_DEPTH:
             return None
@@ -360,6 +385,10 @@ class Dtypes:
         method = func.attrname
         if method in CAST_METHODS and not call.args:
             return CAST_METHODS[method]
+        if method == "view" and len(call.args) == 1 and not call.keywords:
+            reinterpreted = self.constant(call.args[0])  # ``x.view(torch.int32)``: the bits
+            if reinterpreted is not None:
+                return reinterpreted
         if method in CONVERSIONS:
             target = self.cast_target(call)
             if target is None and method == "to" and all(_is_device(a) for a in call.args):

@@ -137,18 +137,22 @@ class Names:
             if self.local_function(call) is function
         ]
 
+    def parameter_call_sites(self, name: nodes.Name) -> List[nodes.Call]:
+        """The call sites in this module of the function whose parameter ``name`` is."""
+        bindings = self.bindings(name)
+        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
+            return []
+        function = bindings[0].parent.parent
+        return self.call_sites(function) if isinstance(function, nodes.FunctionDef) else []
+
     def argument_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """What the parameter ``name`` receives: the argument at every call site of its
         function in this module (by position or keyword; the default where one is omitted).
         None if it is not a parameter, has no call site, or a site passes ``*args``."""
-        bindings = self.bindings(name)
-        if len(bindings) != 1 or not isinstance(bindings[0].parent, nodes.Arguments):
-            return None
-        arguments = bindings[0].parent
-        function = arguments.parent
-        sites = self.call_sites(function) if isinstance(function, nodes.FunctionDef) else []
+        sites = self.parameter_call_sites(name)
         if not sites:
             return None
+        arguments = self.bindings(name)[0].parent
         positional = [a.name for a in arguments.posonlyargs + arguments.args]
         if sites and isinstance(sites[0].func, nodes.Attribute):
             positional = positional[1:]  # ``self.f(...)`` binds ``self``
@@ -215,12 +219,19 @@ class Names:
 
     def bound_values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """What a variable (:meth:`assigned_values`) or a ``self.<x>`` attribute (in any
-        method of its class) is assigned; None for other expressions or unknown bindings."""
+        method of its class) is assigned; also ``obj.<x>`` for an object of a class of this
+        module (``model.head`` after ``model = Net()`` or ``model: Net``) whose ``<x>`` only
+        its own methods assign. None for other expressions or unknown bindings."""
         if isinstance(expr, nodes.Name):
             return self.assigned_values(expr)
-        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+        if not isinstance(expr, nodes.Attribute):
+            return None
+        if is_self(expr.expr):
             return self.self_attribute_values(expr)
-        return None
+        owner = self.local_class(expr.expr)
+        if owner is None or expr.attrname in self._attributes_set_from_outside:
+            return None
+        return self._self_attributes(owner).get(expr.attrname) or None
 
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
@@ -321,9 +332,12 @@ class Names:
             values = self.self_attribute_values(expr)
         elif isinstance(expr, nodes.Name):
             statement = expr.statement()
+            bindings = self.bindings(expr)
+            if len(bindings) == 1 and isinstance(bindings[0].parent, nodes.Arguments):
+                return self._annotated_class(bindings[0])
             values = [
                 assigned_value(binding)
-                for binding in self.bindings(expr)
+                for binding in bindings
                 if binding.statement() is not statement
             ]
         else:
@@ -333,15 +347,44 @@ class Names:
         }
         return built.pop() if len(built) == 1 else None
 
+    def _annotated_class(self, parameter: nodes.AssignName) -> Optional[nodes.ClassDef]:
+        """The class of this module a parameter is annotated with (``model: Net``)."""
+        arguments = parameter.parent
+        for params, hints in (
+            (arguments.posonlyargs, arguments.posonlyargs_annotations),
+            (arguments.args, arguments.annotations),
+            (arguments.kwonlyargs, arguments.kwonlyargs_annotations),
+        ):
+            if parameter in params:
+                annotation = hints[params.index(parameter)]
+                if isinstance(annotation, nodes.Name):
+                    classes = [
+                        b for b in self.bindings(annotation) if isinstance(b, nodes.ClassDef)
+                    ]
+                    return classes[0] if len(classes) == 1 else None
+        return None
+
     def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
         """Values assigned to ``self.<attr>`` anywhere in the enclosing class's methods."""
         classdef = enclosing_class(attribute)
         if classdef is None:
             return []
+        return self._self_attributes(classdef).get(attribute.attrname, [])
+
+    def _self_attributes(self, classdef: nodes.ClassDef) -> Dict[str, List[nodes.NodeNG]]:
         found = self._class_attributes.get(classdef)
         if found is None:
             found = self._class_attributes[classdef] = self._collect_self_attributes(classdef)
-        return found.get(attribute.attrname, [])
+        return found
+
+    @functools.cached_property
+    def _attributes_set_from_outside(self) -> FrozenSet[str]:
+        """Attribute names assigned on objects other than ``self`` (``backbone.fc = ...``)."""
+        return frozenset(
+            target.attrname
+            for target in self.context.module.nodes_of_class(nodes.AssignAttr)
+            if not is_self(target.expr)
+        )
 
     @staticmethod
     def _collect_self_attributes(classdef: nodes.ClassDef) -> Dict[str, List[nodes.NodeNG]]:

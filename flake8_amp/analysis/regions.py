@@ -66,6 +66,9 @@ class Region:
     #: The autocast expression where its arguments are written (the ``torch.autocast(...)``
     #: call, the ``partial(...)`` holding ``dtype=``): the line to change.
     source: Optional[nodes.NodeNG] = None
+    #: For a context chosen at run time among autocasts that differ (``match precision:``
+    #: binding an fp16 and a bf16 autocast), each autocast it may be.
+    alternatives: Tuple["Region", ...] = ()
 
     @property
     def active(self) -> bool:
@@ -278,6 +281,7 @@ class Regions:
             devices.pop() if len(devices) == 1 else None,
             dtypes.pop() if len(dtypes) == 1 else None,
             found[0].source,
+            tuple(found) if len(dtypes) > 1 else (),
         )
 
     def _factory_spec(
@@ -363,7 +367,7 @@ def _torch_autocast_region(
         dtype = _DTYPE_NAMES.get(names.qualname(dtype_node) or "")
     written = dtype_node.parent if dtype_node is not None else call
     source = written.parent if isinstance(written, nodes.Keyword) else written
-    return Region(owner, _literal_enabled(enabled_node, True), device, dtype, source)
+    return Region(owner, _literal_enabled(enabled_node, True, names), device, dtype, source)
 
 
 def _wrapper_enabled(name: str, enabled: Optional[bool]) -> Optional[bool]:
@@ -372,11 +376,23 @@ def _wrapper_enabled(name: str, enabled: Optional[bool]) -> Optional[bool]:
     return False if DISABLING_WORDS.intersection(name_words(name)) else enabled
 
 
-def _literal_enabled(node: Optional[nodes.NodeNG], default: Optional[bool]) -> Optional[bool]:
+def _literal_enabled(
+    node: Optional[nodes.NodeNG], default: Optional[bool], names=None
+) -> Optional[bool]:
+    """``enabled=`` as a literal; also a parameter (``def forward(..., enable_autocast=False)``)
+    that every call site in the module passes the same literal, or, with no call site here,
+    whose default is ``False``: autocast is off unless a caller elsewhere opts in."""
     if node is None:
         return default
     if isinstance(node, nodes.Const) and isinstance(node.value, bool):
         return node.value
+    if names is not None and isinstance(node, nodes.Name):
+        values = names.argument_values(node)
+        if values is not None:
+            found = {_literal_enabled(value, None) for value in values}
+            return found.pop() if len(found) == 1 else None
+        off_by_default = _literal_enabled(names.parameter_default(node), None) is False
+        return False if off_by_default and not names.parameter_call_sites(node) else None
     return None
 
 

@@ -52,6 +52,8 @@ SCALED = "scaled"  # a scaled backward ran; gradients are multiplied by the loss
 UNSCALED = "unscaled"  # scaler.unscale_(optimizer) ran after it
 HELPED = "helped"  # a helper received the scaler: it may have unscaled/stepped/updated
 
+#: How many ``return`` hops a scaler built in a factory function is followed through.
+_MAX_RETURN_HOPS = 3
 #: Above this many distinct path states, conditions are forgotten (paths still merge).
 _MAX_STATES = 64
 _AMP_FLAG_WORDS = frozenset(
@@ -560,9 +562,10 @@ class ScalerAnalysis:
     def scaler_reaches(self, scope: nodes.NodeNG) -> bool:
         """An enabled ``GradScaler(...)`` built in this module can be used by ``scope``: it is
         built at module or class level or in ``scope`` itself, kept in ``self.<x>`` of
-        ``scope``'s class, or handed on (returned, passed, stored elsewhere). One kept in a
-        local variable of another function, or in another class, cannot reach it."""
-        return any(_reaches(call, scope) for call in self._enabled_constructions)
+        ``scope``'s class, or handed on (passed, stored elsewhere, returned by a function
+        whose callers here hand it on or that has none). One kept in a local variable of
+        another function, or in another class, cannot reach it."""
+        return any(_reaches(call, scope, self.names) for call in self._enabled_constructions)
 
     @functools.cached_property
     def _enabled_constructions(self) -> List[nodes.Call]:
@@ -686,14 +689,21 @@ class ScalerAnalysis:
         )
 
 
-def _reaches(construction: nodes.Call, scope: nodes.NodeNG) -> bool:
-    """See :meth:`ScalerAnalysis.scaler_reaches`."""
+def _reaches(construction: nodes.Call, scope: nodes.NodeNG, names, depth: int = 0) -> bool:
+    """See :meth:`ScalerAnalysis.scaler_reaches`. A scaler a function returns goes where its
+    calls in this module put it (``scaler = make_scaler(args)`` in ``run``); with no call
+    here, anywhere."""
     owner = construction.scope()
     if owner is scope or isinstance(owner, (nodes.Module, nodes.ClassDef)):
         return True
     child, parent = construction, construction.parent
     while isinstance(parent, nodes.IfExp) and child is not parent.test:
         child, parent = parent, parent.parent  # ``GradScaler() if amp else None``
+    if isinstance(parent, nodes.Return) and isinstance(owner, nodes.FunctionDef):
+        sites = names.call_sites(owner)
+        if not sites or depth >= _MAX_RETURN_HOPS:
+            return True
+        return any(_reaches(site, scope, names, depth + 1) for site in sites)
     if isinstance(parent, nodes.Assign):
         targets = parent.targets
     elif isinstance(parent, nodes.AnnAssign):

@@ -51,6 +51,7 @@ class ManualCast(Check):
             or self._behind_precision_flag(node)
             or self._checkpoint_copy(node, func)
             or grad.frozen(node)
+            or grad.fed_to_inference(node)
             or grad.not_training_at(node)
             or not grad.training_at(node)
         )

@@ -101,17 +101,23 @@ class LossOutsideAutocast(Check):
         prediction is judged: targets made in the region (``target =
         scheduler.get_velocity(...)``) are data. That is the first argument of a loss defined
         elsewhere; for one defined here, any argument whose parameter it does not upcast
-        itself (``mae_loss(imgs, pred, mask)``), unless the call upcasts some of them (the
-        author chose which inputs need fp32)."""
+        itself (``mae_loss(imgs, pred, mask)``), unless the call or the definition upcasts
+        some of them (the author chose which inputs need fp32: ``clip_loss(img, txt, scale)``
+        upcasting the embeddings and not the scalar temperature)."""
         if definition is None:
             return self._autocast_output_name(call_argument(node, 0, "input"))
         if any(self.context.dtypes.of(arg) == FP32 for arg in node.args):
             return None
+        pairs = []
         for param, arg in zip(_parameters(definition), node.args):
             if isinstance(arg, nodes.Starred):
                 break
+            pairs.append((self._upcasts(definition, param.name), arg))
+        if any(upcast for upcast, _ in pairs):
+            return None
+        for _, arg in pairs:
             produced = self._autocast_output_name(arg)
-            if produced is not None and not self._upcasts(definition, param.name):
+            if produced is not None:
                 return produced
         return None
 
@@ -276,8 +282,9 @@ class LossOutsideAutocast(Check):
 
     def _tensor_root(self, expr: nodes.NodeNG) -> nodes.NodeNG:
         """The tensor ``expr`` is computed from: through indexing, attributes, arithmetic
-        (the tensor operand), tensor methods (their receiver) and torch functions (their
-        first argument) -- ``F.log_softmax(s / T, 1)`` -> ``s``."""
+        (the tensor operand), tensor methods (their receiver), torch functions (their
+        first argument) and lists of tensors (the first) -- ``F.log_softmax(s / T, 1)`` ->
+        ``s``."""
         names = self.context.names
         while True:
             if self.context.dtypes.of(expr) in (FP32, INT):
@@ -288,6 +295,8 @@ class LossOutsideAutocast(Check):
                 expr = expr.expr
             elif isinstance(expr, nodes.UnaryOp):
                 expr = expr.operand
+            elif isinstance(expr, (nodes.List, nodes.Tuple)) and expr.elts:
+                expr = expr.elts[0]  # ``torch.cat([pos_scores, neg_scores], 1)``
             elif isinstance(expr, nodes.BinOp):
                 expr = expr.right if self.context.dtypes.is_number(expr.left) else expr.left
             elif isinstance(expr, nodes.Call):

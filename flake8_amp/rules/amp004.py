@@ -6,7 +6,8 @@ from typing import Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.dtypes import autocast_fp32_op, is_low
+from flake8_amp.analysis.dtypes import PRESERVING, autocast_fp32_op, is_low
+from flake8_amp.analysis.names import method_call
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
@@ -32,7 +33,7 @@ class LowPrecisionReduce(Check):
             return
         op = node.func.attrname if isinstance(node.func, nodes.Attribute) else ""
         kind = self.context.dtypes.of(op_input)
-        if not is_low(kind):
+        if not is_low(kind) or (kind == BF16 and self._chosen_bf16(op_input)):
             return
         region = self.context.regions.autocast_at(node)
         if region is not None and autocast_fp32_op(op, region):
@@ -40,6 +41,23 @@ class LowPrecisionReduce(Check):
         if self.context.grad.not_training_at(node):
             return  # pure low-precision inference/evaluation is a legitimate choice
         self.report(node, op=op, dtype=DTYPE_NAMES.get(kind, "float16/bfloat16"))
+
+    def _chosen_bf16(self, expr: nodes.NodeNG, depth: int = 4) -> bool:
+        """The code cast these values to bf16 itself (``X = G.bfloat16()`` in a Newton-Schulz
+        iteration), directly or through names and dtype-preserving ops. bf16 keeps fp32's
+        range and PyTorch accumulates its reductions in fp32: reducing values cast to bf16 on
+        purpose is that choice, not a slip (autocast's bf16 outputs are still judged)."""
+        if depth <= 0:
+            return False
+        if isinstance(expr, nodes.Call):
+            if self.context.dtypes.cast_target(expr) == BF16:
+                return True
+            method, receiver = method_call(expr)
+            return method in PRESERVING and self._chosen_bf16(receiver, depth - 1)
+        if isinstance(expr, nodes.Name):
+            values = self.context.names.assigned_values(expr) or []
+            return bool(values) and all(self._chosen_bf16(v, depth - 1) for v in values)
+        return False
 
     def _reduction_input(self, node: nodes.Call) -> Optional[nodes.NodeNG]:
         """``x`` in ``x.sum()`` or ``torch.sum(x)``; None if this is not a torch reduction."""

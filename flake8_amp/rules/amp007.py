@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional, Tuple
+from typing import Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -27,6 +27,7 @@ from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
 from flake8_amp.analysis.names import (
     attribute_not_in,
     call_argument,
+    is_self,
     last_part,
     method_call,
 )
@@ -191,12 +192,8 @@ class Fp16OverflowLiteral(Check):
         dtypes = self.context.dtypes
         if dtype_node is not None:
             kind = dtypes.constant(dtype_node)
-            if (
-                kind is None
-                and isinstance(dtype_node, nodes.Attribute)
-                and dtype_node.attrname == "dtype"
-            ):
-                kind = dtypes.of(dtype_node.expr)
+            if kind is None and _dtype_owner(dtype_node) is not None:
+                kind = dtypes.of(_dtype_owner(dtype_node))
         elif target is None:
             kind = FP32  # ``torch.full`` without ``dtype=`` uses the default dtype
         else:
@@ -205,10 +202,21 @@ class Fp16OverflowLiteral(Check):
             return True
         if kind in (FP32, BF16, INT):
             return False
+        typed = target if dtype_node is None else _dtype_owner(dtype_node)
+        possible = dtypes.kinds(typed) if typed is not None else None
+        if possible is not None and not possible & {FP16, LOW}:
+            return False  # fp32 on one path, bf16 on another: never fp16
         region = self.context.regions.autocast_at(node)
         if region is not None:
             return region.dtype != BF16
         return _in_model_code(node)
+
+
+def _dtype_owner(dtype_node: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """``q`` for ``dtype=q.dtype``."""
+    if isinstance(dtype_node, nodes.Attribute) and dtype_node.attrname == "dtype":
+        return dtype_node.expr
+    return None
 
 
 def _keyed_by_string(subscript: nodes.Subscript) -> bool:
@@ -218,14 +226,19 @@ def _keyed_by_string(subscript: nodes.Subscript) -> bool:
 
 
 def _in_model_code(node: nodes.NodeNG) -> bool:
-    """In a method of a model class, or in a function of a module that defines one."""
+    """In the forward pass of a model class (see :func:`_forward_path`), or in a function
+    of a module that defines one. A model's other methods -- target assignment
+    (``areas[outside] = INF`` before ``areas.min()``), beam search, initialisation --
+    work on tensors of their own dtype, not on whatever the caller's autocast produces."""
     parent = node.parent
     in_function = False
+    method = None
     while parent is not None:
         if isinstance(parent, nodes.ClassDef):
-            return _is_model_class(parent)
+            return _is_model_class(parent) and method in _forward_path(parent)
         if isinstance(parent, nodes.FunctionDef):
             in_function = True
+            method = parent
         parent = parent.parent
     module = node.root()
     return in_function and any(
@@ -233,6 +246,28 @@ def _in_model_code(node: nodes.NodeNG) -> bool:
         for statement in module.body
         if isinstance(statement, nodes.ClassDef)
     )
+
+
+#: Methods a call of the model object runs.
+FORWARD_METHODS = frozenset({"forward", "__call__"})
+
+
+def _forward_path(classdef: nodes.ClassDef) -> Set[nodes.FunctionDef]:
+    """``forward`` (or ``__call__``) of ``classdef`` and the methods they call through
+    ``self`` (``self._attention(q, k, v)``), transitively."""
+    methods = {method.name: method for method in classdef.mymethods()}
+    pending = [methods[name] for name in FORWARD_METHODS if name in methods]
+    path: Set[nodes.FunctionDef] = set()
+    while pending:
+        method = pending.pop()
+        if method in path:
+            continue
+        path.add(method)
+        for call in method.nodes_of_class(nodes.Call):
+            name, receiver = method_call(call)
+            if name in methods and is_self(receiver):
+                pending.append(methods[name])
+    return path
 
 
 def _is_model_class(classdef: nodes.ClassDef) -> bool:

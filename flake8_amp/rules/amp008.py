@@ -1,11 +1,12 @@
-"""AMP008 backward-under-autocast: ``.backward()`` or ``torch.autograd.backward`` under autocast."""
+"""AMP008 backward-under-autocast: ``.backward()`` or ``torch.autograd.backward`` under autocast,
+also through a function of the module that runs the backward (``accumulate(loss, scaler)``)."""
 
 from __future__ import annotations
 
 from astroid import nodes
 
 from flake8_amp.analysis.names import is_self, method_call
-from flake8_amp.analysis.scaler import AUTOGRAD_BACKWARD
+from flake8_amp.analysis.scaler import AUTOGRAD_BACKWARD, calls_in_order
 from flake8_amp.engine import Check, mentions_autocast
 
 
@@ -20,12 +21,31 @@ class BackwardUnderAutocast(Check):
         return super().applies(source, options) and mentions_autocast(source, options)
 
     def visit_call(self, node: nodes.Call) -> None:
-        if not self._is_backward(node):
-            return
         if self.context.grad.no_grad_at(node):
             return
-        if self.context.regions.autocast_at(node, with_grad=True) is not None:
+        regions = self.context.regions
+        if self._is_backward(node):
+            if regions.autocast_at(node, with_grad=True) is not None:
+                self.report(node)
+        elif self._runs_backward_unreported(node) and regions.autocast_at(node) is not None:
             self.report(node)
+
+    def _runs_backward_unreported(self, call: nodes.Call) -> bool:
+        """``call`` calls a function of this module that runs a backward (``accumulate(loss,
+        scaler)``) which is not reported inside it: its other callers leave autocast first,
+        so the call inside a region is the line to change."""
+        helper = self.context.names.local_function(call)
+        if helper is None:
+            return False
+        regions, grad = self.context.regions, self.context.grad
+        backwards = [
+            inner
+            for inner in calls_in_order(helper)
+            if self._is_backward(inner) and not grad.no_grad_at(inner)
+        ]
+        return bool(backwards) and all(
+            regions.autocast_at(inner, with_grad=True) is None for inner in backwards
+        )
 
     def _is_backward(self, node: nodes.Call) -> bool:
         qualname = self.context.names.qualname(node.func)

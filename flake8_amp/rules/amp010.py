@@ -79,9 +79,10 @@ class ScalerDtypeMismatch(Check):
         under ``torch.no_grad()`` produces nothing to backpropagate)."""
         grad = self.context.grad
         return [
-            (opener, region)
+            (opener, fp16)
             for opener, region in entries
-            if region.dtype == FP16 and not grad.no_grad_at(_opened_by(opener).body[0])
+            for fp16 in [_fp16_choice(region)]
+            if fp16 is not None and not grad.no_grad_at(_opened_by(opener).body[0])
         ]
 
     def _helper_fp16_regions(self, scope: nodes.NodeNG) -> List[Tuple[nodes.NodeNG, Region]]:
@@ -170,6 +171,14 @@ def _identifiers(node: nodes.NodeNG) -> List[str]:
         else:
             words.append(sub.name if isinstance(sub, nodes.AssignName) else sub.attrname)
     return words
+
+
+def _fp16_choice(region: Region) -> Optional[Region]:
+    """The fp16 autocast ``region`` is or may be: itself, or the fp16 one of the autocasts a
+    context chosen at run time may be (the ``case "fp16":`` arm, the line to change)."""
+    if region.dtype == FP16:
+        return region
+    return next((r for r in region.alternatives if r.dtype == FP16 and r.active), None)
 
 
 def _opened_by(opener: nodes.NodeNG) -> nodes.NodeNG:

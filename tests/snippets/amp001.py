@@ -558,3 +558,48 @@ class LambdaSelfTrainer:
         outputs = list(map(lambda x: self.model(x.half()), batch))  # AMP001
         sum(o.sum() for o in outputs).backward()
         optimizer.step()
+
+
+# ---- found in public projects: casts that are not training in low precision -------
+def check_optimizer_state_after_step(model, optimizer, reference, assert_close):
+    model(torch.ones(4, 4)).sum().backward()
+    optimizer.step()
+    assert_close(optimizer.state[model.weight]["exp_avg"].half(), reference)
+    assert torch.equal(model.weight.grad.half(), reference)
+
+
+def train_then_validate_best(model, loader, optimizer, validate, attempt_load, best):
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+    return validate.run(model=attempt_load(best).half(), dataloader=loader)
+
+
+class PipelineEngine:
+    """A pipeline-parallel engine: ``train_batch`` trains, the other methods move tensors."""
+
+    def __init__(self, module, optimizer):
+        self.module = module
+        self.optimizer = optimizer
+
+    def train_batch(self, batch):
+        self.module(batch).backward()
+        self.optimizer.step()
+
+    def send_activations(self, outputs, send):
+        # the bool mask travels with the fp16 activations
+        outputs = list(outputs)
+        outputs[-1] = outputs[-1].half()
+        send(tuple(outputs))
+
+
+class HalfModelTrainer:
+    """A model kept on ``self`` is judged by the class that trains it."""
+
+    def __init__(self, model, optimizer):
+        self.model = model.half()  # AMP001
+        self.optimizer = optimizer
+
+    def train_step(self, x, y):
+        self.model(x, y).backward()
+        self.optimizer.step()

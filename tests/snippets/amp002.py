@@ -595,3 +595,37 @@ def helper_upcasts_one_level_deeper(model, noisy, clean):
         enhanced = model(noisy)
     loss = spectral_loss(enhanced, clean)
     scaler.scale(loss).backward()
+
+
+# ---- scores assembled from several forward outputs -----------------------------------
+def hard_negative_loss(model, users, items, negatives, target):
+    with torch.autocast("cuda", dtype=torch.float16):
+        u, pos = model(users), model(items)
+        neg = model(negatives)
+    scores = torch.cat([(u * pos).sum(-1, keepdim=True), u @ neg.T], dim=1) / 0.05
+    loss = F.cross_entropy(input=scores, target=target)  # AMP002
+    loss.backward()
+
+
+def hard_negative_loss_upcast(model, users, items, negatives, target):
+    with torch.autocast("cuda", dtype=torch.float16):
+        u, pos = model(users), model(items)
+        neg = model(negatives)
+    scores = torch.cat([(u * pos).sum(-1, keepdim=True), u @ neg.T], dim=1).float() / 0.05
+    loss = F.cross_entropy(input=scores, target=target)
+    loss.backward()
+
+
+def contrastive_objective(img, txt, scale):
+    img, txt = img.float(), txt.float()
+    logits = scale * img @ txt.t()
+    labels = torch.arange(len(img), device=img.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def contrastive_step_upcast_inside(model, images, tokens):
+    """The objective upcasts the embeddings and leaves the scalar temperature alone."""
+    with torch.autocast("cuda", dtype=torch.float16):
+        img, txt, scale = model(images, tokens)
+    loss = contrastive_objective(img, txt, scale)
+    scaler.scale(loss).backward()

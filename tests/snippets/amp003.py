@@ -368,3 +368,23 @@ def head_moved_to_device_called_under_autocast(probs, targets, device):
     head = BceHead().to(device)
     with torch.autocast("cuda"):
         return head(probs, targets)
+
+
+# ---- found in public projects: autocast that a parameter turns on, off by default ---
+class MaskedBCELoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.loss_f = nn.BCELoss(reduction="none")
+
+    def forward(self, probs, labels, enable_autocast=False):
+        with torch.cuda.amp.autocast(enabled=enable_autocast):
+            return self.loss_f(probs, labels).mean()
+
+
+def bce_with_switch(probs, labels, use_amp=False):
+    with torch.autocast("cuda", enabled=use_amp):
+        return F.binary_cross_entropy(probs, labels)  # AMP003
+
+
+def caller_turns_it_on(probs, labels):
+    return bce_with_switch(probs, labels, use_amp=True)

@@ -49,8 +49,9 @@ def cpu_bf16_autocast_cumsum(x, w):
 
 
 def bf16_cast_then_norm(x):
+    """bf16 chosen here: fp32's range, reductions accumulated in fp32."""
     y = x.to(torch.bfloat16)
-    return y.norm()  # AMP004
+    return y.norm()
 
 
 class Head(nn.Module):
@@ -101,7 +102,11 @@ def unknown_device_region(x, w, device):
 
 
 def bfloat16_method_mean(x):
-    return x.bfloat16().mean(dim=-1)  # AMP004
+    return x.bfloat16().mean(dim=-1)
+
+
+def float16_method_mean(x):
+    return x.half().mean(dim=-1)  # AMP004
 
 
 def used_after_region(x, w):
@@ -233,3 +238,54 @@ def evaluate_in_half(model, x):
 def predict_probabilities(x):
     h = x.half()
     return h.softmax(-1).sum(-1)
+
+
+# ---- found in public projects: bf16 chosen on purpose --------------------------------
+def newton_schulz(grad, steps=5, eps=1e-7):
+    """Orthogonalises an update in bf16 by design (the Muon optimizer)."""
+    x = grad.reshape(-1, grad.size(-1)).bfloat16()
+    x /= x.norm(dim=(-2, -1), keepdim=True) + eps
+    for _ in range(steps):
+        a = x @ x.transpose(-2, -1)
+        x = 3.4445 * x - 4.7750 * a @ x
+    return x
+
+
+def autocast_bf16_mean(x, weight):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = F.linear(x, weight)
+        return h.mean()  # AMP004
+
+
+# ---- objects of this module's classes, through type hints or construction -------------
+class Whitening(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(64, 64)
+
+
+def whitened_views(model: Whitening, v1):
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.head(v1)
+        return (z - z.mean(0)) / z.float().std(0)  # AMP004
+
+
+def whitened_views_fp32(model: Whitening, v1):
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.head(v1).float()
+        return (z - z.mean(0)) / z.std(0)
+
+
+class Projector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+
+def replaced_projection(v1):
+    """Assigned from outside its class: what ``model.proj`` holds is no longer known."""
+    model = Projector()
+    model.proj = nn.Identity()
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.proj(v1)
+        return z.mean(0)

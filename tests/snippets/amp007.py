@@ -284,3 +284,51 @@ class BeamScoresStayFp32(nn.Module):
             scores = top
             scores = scores.masked_fill(idx < 0, -1e9)
         return scores
+
+
+# ---- found in public projects: silent in target assignment, decoding, other dtypes ----
+INF = 1e8
+
+
+class CenterHead(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.reg = nn.Conv2d(channels, 4, 3, padding=1)
+
+    def forward(self, feats):
+        return self.reg(feats)
+
+    def get_targets_single(self, gt_boxes, points, inside):
+        areas = (gt_boxes[:, 2] - gt_boxes[:, 0]) * (gt_boxes[:, 3] - gt_boxes[:, 1])
+        areas = areas[None].repeat(len(points), 1)
+        areas[~inside] = INF
+        min_area, min_inds = areas.min(dim=1)
+        return min_inds
+
+    def beam_search(self, scores, beam):
+        scores[:, 0] = -1e10
+        return scores.topk(beam, dim=-1)
+
+
+class BitOps(nn.Module):
+    def forward(self, x):
+        bits = x.view(torch.int32)
+        return torch.where(bits == 0, -2147483647, bits - 1).view(torch.float32)
+
+
+class PrecisionPickingAttention(nn.Module):
+    def forward(self, q, k, mask):
+        q, k = q.float(), k.float()
+        if q.dtype == torch.float32:
+            q, k = q.bfloat16(), k.bfloat16()
+        bias = torch.full((), -1e9, dtype=q.dtype, device=q.device)
+        return q @ k.transpose(-1, -2) + torch.where(mask, 0.0, bias)
+
+
+class MinMaxNorm(nn.Module):
+    def normalise(self, x, mask):
+        low = torch.amin(x.masked_fill(~mask, 1e30), dim=(1, 2), keepdim=True)  # AMP007
+        return x - low
+
+    def forward(self, pred, mask):
+        return self.normalise(pred, mask)

@@ -260,3 +260,38 @@ def evaluate_calls_probe_in_region(model, batch):
 def backward_under_no_grad_and_autocast(model, batch):
     with torch.no_grad(), torch.autocast("cuda"):
         model(batch).sum().backward()
+
+
+# ---- a backward run by a function of the module ------------------------------------
+def accumulate(loss, grad_scaler, steps):
+    grad_scaler.scale(loss / steps).backward()
+
+
+def accumulate_inside_region(model, batches, optimizer, grad_scaler):
+    for batch in batches:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+            accumulate(loss, grad_scaler, len(batches))  # AMP008
+    grad_scaler.step(optimizer)
+    grad_scaler.update()
+
+
+def accumulate_after_region(model, batches, optimizer, grad_scaler):
+    for batch in batches:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        accumulate(loss, grad_scaler, len(batches))
+    grad_scaler.step(optimizer)
+    grad_scaler.update()
+
+
+def log_inside_region(model, batch, logger):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+        logger.log(loss)
+        report_loss(loss)
+    loss.backward()
+
+
+def report_loss(loss):
+    print(f"loss {loss.item():.3f}")

@@ -319,3 +319,40 @@ def train_student_with_teacher_in_the_same_function(student, teacher, loader, op
         loss = (student(batch) - soft.float()).pow(2).mean()
         loss.backward()
         optimizer.step()
+
+
+# ---- a context chosen at run time among autocasts of different dtypes ---------------
+def train_precision_by_match(model, loader, optimizer, precision):
+    match precision:
+        case "fp16":
+            amp_ctx = torch.autocast("cuda", dtype=torch.float16)  # AMP010
+        case "bf16":
+            amp_ctx = torch.autocast("cuda", dtype=torch.bfloat16)
+        case _:
+            amp_ctx = contextlib.nullcontext()
+    for batch in loader:
+        with amp_ctx:
+            loss = model(batch)
+        loss.backward()
+        optimizer.step()
+
+
+def train_bf16_or_fp32_by_match(model, loader, optimizer, precision):
+    match precision:
+        case "bf16":
+            amp_ctx = torch.autocast("cuda", dtype=torch.bfloat16)
+        case "bf16-cpu":
+            amp_ctx = torch.autocast("cpu", dtype=torch.bfloat16)
+        case _:
+            amp_ctx = contextlib.nullcontext()
+    for batch in loader:
+        with amp_ctx:
+            loss = model(batch)
+        loss.backward()
+        optimizer.step()
+
+
+def eval_precision_by_choice(model, loader, half):
+    eval_ctx = torch.autocast("cuda", dtype=torch.float16) if half else torch.autocast("cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        return [model(batch) for batch in loader]
