@@ -602,6 +602,7 @@ def main(rank, world, out, communicating):
     events = [[e.code, e.step, e.module, bool(e.details.get("replayed"))] for e in g.report]
     with open(os.path.join(out, f"rank{{rank}}.json"), "w") as fh:
         json.dump({{"events": events, "outcomes": outcomes}}, fh)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 if __name__ == "__main__":
