@@ -253,12 +253,14 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP103", "nonfinite-grad", "P0", (RUNTIME,),
         "non-finite gradients in {where} reached the optimizer",
-        "use a GradScaler (fp16) or find the op that overflows in backward",
+        "use a GradScaler (fp16); this step's replay (AMP101) names the overflowing op",
         "NaN/Inf gradients the optimizer stepped on",
         """Gradients holding NaN or Inf that no GradScaler caught are applied to the
         weights, which then become NaN for good.""",
-        """With fp16 use ``torch.amp.GradScaler``; otherwise locate the overflowing
-        op with ``trace="always"``.""",
+        """With fp16 use ``torch.amp.GradScaler``. The replay of the failing step
+        (``trace="auto"``) names the overflowing op (AMP101) or the layer whose gradient
+        first turned non-finite; ``details["replay"]`` says why when it could not run
+        (then ``trace="always"`` traces every step).""",
     ),
     _rule(
         "AMP104", "grad-explosion", "P0", (RUNTIME,),
@@ -295,12 +297,13 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP107", "loss-scale-collapse", "P0", (RUNTIME,),
         "loss scale collapsed to {scale:g} and is not rising",
-        "find the op that overflows every step (trace='always')",
+        "fix the op the replay names (AMP101); trace='always' traces every step",
         "loss scale at or below 1 and not recovering",
         """GradScaler halves the scale on every overflow. At a scale of 1 or less,
         every step still overflows: no step is taken and training has stalled.""",
-        """Find the op that overflows in every step with ``trace="always"`` (AMP101),
-        fix it or keep it in fp32, or use bf16.""",
+        """Fix the op that overflows in every step: the replay of the first skipped
+        step names it (AMP101; ``trace="always"`` traces every step). Keep it in fp32,
+        normalise its inputs, or use bf16.""",
     ),
     _rule(
         "AMP108", "loss-scale-decline", "P1", (RUNTIME,),
@@ -346,12 +349,13 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP112", "nonfinite-loss", "P0", (RUNTIME,),
         "loss is {kind} when backward starts",
-        "find the first non-finite op with trace='always' (AMP101)",
+        "this step's replay names the first non-finite op (AMP101)",
         "NaN/Inf loss at backward",
         """A NaN/Inf loss propagates into every gradient. Without a GradScaler the
         step corrupts the weights; with one, it is skipped and the scale drops.""",
-        """Run with ``trace="always"`` to find the first op producing NaN/Inf
-        (AMP101).""",
+        """Fix the first op producing NaN/Inf: the replay of this step names it
+        (AMP101); ``details["replay"]`` says why when it could not run (then
+        ``trace="always"`` traces every step).""",
     ),
 )
 
