@@ -293,6 +293,26 @@ def test_peak_is_max_abs_and_propagates_nan_and_inf(dtype, special):
     assert peak(torch.tensor(-2.5, dtype=dtype)).item() == 2.5
 
 
+def test_ops_that_hand_back_their_input_are_not_first_causes():
+    """A batch that arrives holding inf, through ops that return their input unchanged
+    (``.float()`` of a float tensor, ``contiguous()``, dropout with p=0) and a layer: no op made
+    inf of finite values, so none is AMP101; the non-finite loss is still AMP112. An op that
+    writes its input (``mul_``, ``out=``) stays a possible first cause."""
+    layer = nn.Linear(8, 8)
+    batch = torch.randn(4, 8)
+    batch[0, 0] = float("inf")
+    with amp_runtime.guard(policy="record", trace="always") as g:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = F.dropout(batch.float().contiguous(), p=0.0, training=True)
+            loss = layer(h).float().sum()
+        loss.backward()
+        finite = torch.full((2,), 300.0, dtype=torch.float16)
+        torch.mul(finite, 300.0, out=finite)  # the first cause: written in place
+    (event,) = g.report.by_code("AMP101")
+    assert event.op == "mul" and event.message.startswith("mul produced inf")
+    assert g.report.by_code("AMP112")
+
+
 def test_inputs_that_were_already_non_finite_are_not_first_causes():
     """An additive -inf mask made before the guard (a buffer), a parameter already holding NaN,
     and a traced tensor set to inf in place since it was produced: the ops reading them

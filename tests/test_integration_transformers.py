@@ -56,11 +56,19 @@ def test_an_injected_overflow_is_pinned_to_the_users_model_code_at_the_trainers_
     # backward runs in accelerate, the model's layers in transformers: details, not sources
     loss = next(e for e in events if e.code == "AMP112")
     assert "/accelerate/" in loss.details["library_source"]
-    inside_llama = [e for e in events if "/transformers/" in e.details.get("library_source", "")]
-    assert inside_llama and {place(e.source) for e in inside_llama} == {
-        line_of(SCRIPT, "hidden = self.body(")}
     assert place(loss.source) == line_of(SCRIPT, "trainer.train(resume_from_checkpoint")
     assert [e.step for e in events_in(tmp_path / "amp-report")] == [e.step for e in events]
+
+
+def test_an_overflow_inside_the_library_is_pinned_to_the_users_call_of_it(tmp_path):
+    """The first op to overflow runs in transformers' Llama code: the source is the user's line
+    that called the body, the library's line goes in details."""
+    callback = AmpGuardCallback(policy="record", trace="always")
+    user.train(overflow_at=3, output=tmp_path, callbacks=[callback], overflow_inside_body=True)
+    (first, *_) = callback.guard.report.by_code("AMP101")
+    assert first.step == 3 and first.module.startswith("body.")
+    assert place(first.source) == line_of(SCRIPT, "hidden = self.body(")
+    assert "/transformers/models/llama/" in first.details["library_source"]
 
 
 def test_the_callback_honours_select_and_policy_and_leaves_the_guard_on_an_error(tmp_path):

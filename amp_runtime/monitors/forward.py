@@ -68,6 +68,13 @@ UNTRACED_FUNCTIONS = frozenset((
 MAX_TRACED_OPS = 4096
 
 
+def writes_in_place(func, kwargs) -> bool:
+    """Whether an op that returns one of its arguments wrote new values into it (``mul_``,
+    ``+=``, ``out=``) rather than handing it back unchanged (``x.float()`` of a float tensor,
+    ``contiguous()``, ``dropout`` with ``p=0``)."""
+    return "out" in kwargs or getattr(func, "__name__", "").endswith("_")
+
+
 def nonfinite_kind(value: float) -> str:
     return "NaN" if math.isnan(value) else "inf"
 
@@ -131,7 +138,7 @@ class OpTrace:
     def record(self, func, args, kwargs, out: torch.Tensor) -> None:
         # runs for every checked op: the known-input case is inlined
         known = self._known
-        constant, has_tensors = 0.0, False
+        constant, has_tensors, returns_input = 0.0, False, False
         inputs, dtypes = [], []
         for value in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(value, torch.Tensor):
@@ -144,7 +151,10 @@ class OpTrace:
                 continue
             has_tensors = True
             for tensor in tensors:
-                if tensor is out or not tensor.dtype.is_floating_point:
+                if tensor is out:
+                    returns_input = True
+                    continue
+                if not tensor.dtype.is_floating_point:
                     continue
                 entry = known.get(id(tensor))
                 if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
@@ -155,6 +165,8 @@ class OpTrace:
                         continue
                 inputs.append(index)
                 dtypes.append(tensor.dtype)
+        if returns_input and not writes_in_place(func, kwargs):
+            return  # ``x.float()`` of a float x, dropout(p=0): the input itself, nothing new
         index = self._add(peak(out))
         self._remember(out, index)
         module, location = self._tracker.site()

@@ -25,7 +25,7 @@ VOCAB = 64
 class TinyLM(nn.Module):
     """The user's model code: a one-layer Llama body and a language-model head."""
 
-    def __init__(self, overflow_at=None, overflow_rank=None):
+    def __init__(self, overflow_at=None, overflow_rank=None, overflow_inside_body=False):
         super().__init__()
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
@@ -33,15 +33,21 @@ class TinyLM(nn.Module):
         self.body = LlamaModel(config)
         self.head = nn.Linear(16, VOCAB, bias=False)
         self.overflow_at = overflow_at
+        self.overflow_inside_body = overflow_inside_body
         self.overflows_here = overflow_rank in (None, int(os.environ.get("RANK", "0")))
         self.training_calls = 0
 
     def forward(self, input_ids, labels=None):
-        hidden = self.body(input_ids=input_ids).last_hidden_state
+        overflow = (self.training and self.training_calls == self.overflow_at
+                    and self.overflows_here)
+        embeds = self.body.embed_tokens(input_ids)
+        if overflow and self.overflow_inside_body:
+            embeds = embeds * 1e37  # finite here; the body's RMSNorm squares it to inf
+        hidden = self.body(inputs_embeds=embeds).last_hidden_state
         logits = self.head(hidden)
+        if overflow and not self.overflow_inside_body:
+            logits = logits * 1e39  # injected overflow
         if self.training:
-            if self.training_calls == self.overflow_at and self.overflows_here:
-                logits = logits * 1e39  # injected overflow
             self.training_calls += 1
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         return {"loss": loss, "logits": logits}
@@ -73,16 +79,18 @@ class LossRecorder(Trainer):
 
 
 def train(precision="bf16", steps=6, overflow_at=None, output="hf-output", callbacks=(),
-          save_steps=None, resume=None, overflow_rank=None):
+          save_steps=None, resume=None, overflow_rank=None, overflow_inside_body=False):
     """Train from a fixed seed (``resume``: from this checkpoint; ``save_steps``: save one
-    every so many steps); the losses of every step."""
+    every so many steps; ``overflow_inside_body``: the overflow at ``overflow_at`` happens in
+    the Llama body's code, not the user's); the losses of every step."""
     torch.manual_seed(0)
     args = TrainingArguments(
         output_dir=output, max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
         use_cpu=True, bf16=precision == "bf16", fp16=precision == "fp16", report_to=[],
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         disable_tqdm=True, seed=0, logging_steps=steps, dataloader_num_workers=0)
-    trainer = LossRecorder(model=TinyLM(overflow_at, overflow_rank), args=args,
+    trainer = LossRecorder(model=TinyLM(overflow_at, overflow_rank, overflow_inside_body),
+                           args=args,
                            train_dataset=Tokens(), callbacks=list(callbacks))
     trainer.train(resume_from_checkpoint=resume)
     return trainer.losses
