@@ -272,6 +272,13 @@ class Guard(Component):
         self.manual_steps = True
         self._end_step()
 
+    def number_step(self, step: int) -> None:
+        """Number the step in progress ``step``, and the ones after it from there (a trainer
+        resumed at its own step count, a replayed bundle's step): its events, its readings and
+        its metrics record all carry it."""
+        self.step_index = self.readings.step = step
+        self.step_record["step"] = step
+
     def flush(self) -> None:
         """Judge every device reading not judged yet, waiting for the device (once) where its
         copy has not arrived. Called at exit; the pytest plugin calls it before judging a test.

@@ -1031,7 +1031,7 @@ def replay_bundle(bundle: Dict[str, Any], modules: Sequence[torch.nn.Module],
     from .guard import guard as new_guard
 
     with new_guard(policy="record", trace="auto") as g:
-        g.step_index = bundle["step"]
+        g.number_step(bundle["step"])
         replayer = g.replayer
         calls = []
         for call in bundle["calls"]:

@@ -152,3 +152,30 @@ def test_a_missing_framework_is_named_with_what_to_install(integration, blocked,
     assert last.startswith("ImportError: amp_runtime.integrations.")
     assert f"needs {blocked}, which is not installed" in last
     assert last.endswith(install), last
+
+
+def test_a_trainer_resumed_at_its_step_count_numbers_events_readings_and_metrics_from_it(tmp_path):
+    """The callbacks' session renumbers the guard at the trainer's step (a resumed run): the
+    first step's event and its metrics record carry that number, like the steps after it."""
+    import json
+
+    from amp_runtime.integrations.session import GuardSession
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = GuardSession(policy="record", log_dir=tmp_path, report=False)
+    session.start(model, None, rank=None, world_size=1)
+    for step in (1000, 1001):
+        session.sync_step(step)
+        offset = torch.tensor(float("inf") if step == 1000 else 0.0)  # no gradient: only the loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.ones(2, 4)).float().mean() + offset
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    session.finish()
+    (nonfinite_loss,) = session.guard.report.by_code("AMP112")
+    assert nonfinite_loss.step == 1000
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1000, 1001]

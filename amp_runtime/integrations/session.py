@@ -79,9 +79,8 @@ class GuardSession:
     def sync_step(self, step: int) -> None:
         """Name events by the trainer's step count (it starts above 0 on a resumed run).
         At the start of a step; the guard counts the same steps, so this is mostly a no-op."""
-        guard = self.guard
-        if self._active and guard.step_index != step:
-            guard.step_index = step
+        if self._active and self.guard.step_index != step:
+            self.guard.number_step(step)
 
     def finish(self, error: Optional[BaseException] = None) -> None:
         """Leave the guard (``error``: training stopped by it), then write the report."""
