@@ -851,8 +851,9 @@ class StepReplay(Monitor):
         if self.guard.log_dir is None or not anomaly or self._bundle_written:
             return
         self._bundle_written = True
-        names = {id(p): name for module in modules for name, p in module.named_parameters()}
-        nonfinite = sorted(names[i] for i in observed or () if i in names)
+        observed = observed or set()
+        nonfinite = [(index, name) for index, module in enumerate(modules)
+                     for name, parameter in module.named_parameters() if id(parameter) in observed]
         path = os.path.join(self.guard.log_dir, f"repro-step{outcome.step}.pt")
         try:
             save_bundle(path, outcome, calls, modules, nonfinite)
@@ -925,17 +926,17 @@ def _device_of(module: torch.nn.Module) -> str:
 
 
 def save_bundle(path: str, outcome: Outcome, calls: Sequence[RootCall],
-                modules: Sequence[torch.nn.Module], nonfinite: Sequence[str]) -> None:
+                modules: Sequence[torch.nn.Module], nonfinite: Sequence[Tuple[int, str]]) -> None:
     """Write a step's calls with the modules' parameters and buffers, RNG and autocast state
-    (copied to the host: once per run, for the first replayed anomaly)."""
+    (copied to the host: once per run, for the first replayed anomaly); ``nonfinite``: the
+    (module index, parameter name) of the gradients the step found non-finite."""
     index = {id(module): i for i, module in enumerate(modules)}
-    owner = {name: i for i, module in enumerate(modules) for name, _ in module.named_parameters()}
     bundle = {
         "format": BUNDLE_FORMAT,
         "torch": str(torch.__version__),
         "step": outcome.step,
         "triggers": list(outcome.triggers),
-        "nonfinite_grads": [[owner[name], name] for name in nonfinite],
+        "nonfinite_grads": [list(pair) for pair in nonfinite],
         "modules": [{
             "class": f"{type(module).__module__}.{type(module).__qualname__}",
             "device": _device_of(module),

@@ -791,3 +791,22 @@ def test_replay_help_explains_the_bundle_and_the_factory():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert "repro-step<N>.pt" in done.stdout and "MODULE:FACTORY" in done.stdout
+
+
+def test_a_bundle_names_the_module_of_each_non_finite_gradient_when_names_repeat(tmp_path):
+    """Two root modules whose parameters have the same names (a GAN's two ``nn.Sequential``):
+    the bundle places the first one's non-finite gradients in the first one."""
+    torch.manual_seed(0)
+    generator, critic = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+    optimizer = torch.optim.SGD([*generator.parameters(), *critic.parameters()], lr=1e-3)
+    with amp_runtime.guard(policy="record", log_dir=tmp_path):
+        for step in range(4):
+            x = torch.randn(8, 4)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                silenced = generator(x).float() * (0.0 if step == 2 else 1.0)
+                loss = (silenced * silenced).sum().sqrt() + critic(x).float().mean()
+            optimizer.zero_grad()
+            loss.backward()  # at step 2: sqrt'(0) * 0 is NaN in the generator's gradients
+            optimizer.step()
+    saved = torch.load(tmp_path / "repro-step2.pt", weights_only=True)
+    assert {tuple(pair) for pair in saved["nonfinite_grads"]} == {(0, "0.weight"), (0, "0.bias")}
