@@ -195,6 +195,9 @@ class Guard(Component):
         self._mode_pushed = False
         self._hidden = 0
         self._in_optimizer = False
+        #: optimizer.step() calls in progress: a subclass's step() calling super().step() is
+        #: one step, and the mode stays off until the outermost one returns.
+        self._optimizer_depth = 0
         self._unobserved = _Unobserved(self)
         self._observing_entry_points = False
         self._optimizer_hooks = []
@@ -476,6 +479,7 @@ class Guard(Component):
                     "amp_runtime: a TorchFunctionMode entered inside the guard is still active; "
                     "the guard's mode could not be removed"))
             self._mode_pushed = self._in_optimizer = False
+            self._optimizer_depth = 0
             self._mode = None
         for monitor in reversed(self.monitors):
             if monitor.failure is None:
@@ -564,14 +568,18 @@ class Guard(Component):
             self._mode.look_for_modules(self.tracker.sight)
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
-        if self._mode is None or self._in_optimizer or self.suspended or self.failure is not None:
-            return None
         if threading.get_ident() != self._thread:
+            return None
+        if self._optimizer_depth:  # a step() nested in the one running
+            self._optimizer_depth += 1
+            return None
+        if self._mode is None or self._in_optimizer or self.suspended or self.failure is not None:
             return None
         # before the mode leaves: a closure is the user's forward and backward. If it runs here,
         # what follows is the guard's own work and must not make the optimizer run it again
         arguments = _observed_closure(self, optimizer, args, kwargs)
         with self.containment.guarding(self):
+            self._optimizer_depth = 1
             self._in_optimizer = True
             self._sync_mode()
             if "zero_grad" not in vars(optimizer):
@@ -601,7 +609,10 @@ class Guard(Component):
             self.readings.poll()
 
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
-        if self._in_optimizer and threading.get_ident() == self._thread:
+        if not self._optimizer_depth or threading.get_ident() != self._thread:
+            return
+        self._optimizer_depth -= 1
+        if self._optimizer_depth == 0 and self._in_optimizer:
             self._in_optimizer = False
             self._sync_mode()
 

@@ -223,6 +223,39 @@ class NotingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class ClippingSGD(torch.optim.SGD):
+    """A subclass whose step() does work of its own after SGD's: the optimizer's hooks fire
+    for both calls (once SGD.step itself is hooked, by any plain SGD)."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.05)
+        self.modes_after_super = []
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.modes_after_super.append(len(torch.overrides._get_current_function_mode_stack()))
+        with torch.no_grad():
+            for group in self.param_groups:
+                for parameter in group["params"]:
+                    parameter.clamp_(-10, 10)
+        return loss
+
+
+def test_an_optimizer_step_calling_super_step_is_one_step_unobserved_to_its_end():
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # hooks SGD.step itself
+    model = make_model()
+    optimizer = ClippingSGD(model.parameters())
+    with amp_runtime.guard(policy="record") as g:
+        for _ in range(4):  # watched steps: the guard's mode is on outside the optimizer
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 16)).float().pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert optimizer.modes_after_super == [0, 0, 0, 0]
+    assert g.step_index == 4 and codes(g) == set()
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_scaler_step_passes_extra_arguments_through(enabled):
     def train(guarded):
