@@ -58,12 +58,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .events import FINDINGS, AmpRuntimeWarning
 from .mode import GuardMode
-from .monitors import Monitor, readable, tensors_in
+from .monitors import Monitor, dtype_name, readable, tensors_in
 from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
 from .monitors.grads import l2_norms, layer_of, listing
 from .monitors.scaler import SKIPPED
 from .readings import Readings
-from .tracking import NOWHERE, Location, format_location, op_name
+from .tracking import CALL_IMPL_CODE, NOWHERE, Location, format_location, op_name, unwrap_compiled
 
 #: Root-module calls kept per step (gradient accumulation calls the model once per micro-step);
 #: beyond it the oldest are dropped.
@@ -84,8 +84,6 @@ _COLLECTIVES = (
 #: The warning torch.compile gives when a compiled module is called while global module hooks
 #: exist (the learning hooks): they are removed before the compiled code runs.
 _COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
-
-_CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__
 
 
 class ReplayError(Exception):
@@ -191,20 +189,14 @@ def set_rng_state(states: Dict[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state(state, int(device.partition(":")[2]))
 
 
-def compiled_wrapper(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile``'s wrapper (without importing dynamo, which no
-    model needs before it compiles something)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
-
-
 def eager_module(module: torch.nn.Module) -> torch.nn.Module:
     """The module a wrapper runs: ``_orig_mod`` of ``torch.compile``, ``.module`` of DDP and
     DataParallel (their forward would communicate or scatter; the replay is local)."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     while True:
-        if compiled_wrapper(module):
-            module = module._orig_mod
+        inner = unwrap_compiled(module)
+        if inner is not module:
+            module = inner
         elif isinstance(module, parallel):
             module = module.module
         else:
@@ -561,7 +553,7 @@ class _RootLearning:
         if self._depth == 0:
             self._on_root(module, args, _call_kwargs(sys._getframe(1)))
         self._depth += 1
-        if compiled_wrapper(module):
+        if unwrap_compiled(module) is not module:
             self.stop()
 
     def _post(self, module, args, out) -> None:
@@ -575,7 +567,7 @@ def _call_kwargs(frame) -> Optional[dict]:
     for _ in range(3):
         if frame is None:
             return None
-        if frame.f_code.co_filename == _CALL_IMPL_CODE.co_filename and "kwargs" in frame.f_locals:
+        if frame.f_code.co_filename == CALL_IMPL_CODE.co_filename and "kwargs" in frame.f_locals:
             kwargs = frame.f_locals["kwargs"]
             return kwargs if isinstance(kwargs, dict) else None
         frame = frame.f_back
@@ -948,7 +940,7 @@ def save_bundle(path: str, outcome: Outcome, calls: Sequence[RootCall],
             "args": _portable(tuple(call.args), "positional"),
             "kwargs": _portable(dict(call.kwargs), "keyword"),
             "rng": dict(call.rng),
-            "autocast": [[device, str(dtype).replace("torch.", "")]
+            "autocast": [[device, dtype_name(dtype)]
                          for device, dtype in call.autocast],
             "training": call.training,
         } for call in calls],
@@ -997,7 +989,7 @@ def _load_state(module: torch.nn.Module, saved: Dict[str, Any]) -> None:
 
 
 def _dtype_and_shape(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
+    return f"{dtype_name(tensor.dtype)}{list(tensor.shape)}"
 
 
 def _on(value, device: torch.device):

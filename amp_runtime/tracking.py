@@ -136,11 +136,11 @@ COMPILED_MODULE = "_orig_mod"
 
 
 def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``module``."""
-    if type(module).__name__ == "OptimizedModule":
-        inner = module._modules.get(COMPILED_MODULE)
-        if isinstance(inner, torch.nn.Module):
-            return inner
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``module``
+    (without importing dynamo, which no model needs before it compiles something)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
     return module
 
 
@@ -221,7 +221,7 @@ class ModuleTracker:
         kinds = self._code_kinds
         while frame is not None:
             code = frame.f_code
-            if code is _CALL_IMPL_CODE:
+            if code is CALL_IMPL_CODE:
                 call, module_path, called_from = self._last_call
                 if frame is not call:  # ops of one forward: read its module once
                     module_path, called_from = self._module_call(frame)
@@ -303,7 +303,7 @@ def _path_below(parent: torch.nn.Module, module: torch.nn.Module) -> str:
                  if child is module and clean_path(path)), "")
 
 
-_CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__
+CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__
 #: Step-level calls ``ModuleTracker.loop_location`` remembers (a few per loop); beyond it, anew.
 MAX_LOOP_LOCATIONS = 256
 
@@ -313,7 +313,7 @@ def running_modules() -> List[torch.nn.Module]:
     modules = []
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _CALL_IMPL_CODE:
+        if frame.f_code is CALL_IMPL_CODE:
             module = frame.f_locals.get("self")
             if isinstance(module, torch.nn.Module):
                 modules.append(module)

@@ -22,7 +22,8 @@ from astroid import nodes
 
 from flake8_amp.engine import Finding
 from flake8_amp.fix.base import Edit, Plan, SourceFile, dotted
-from flake8_amp.rules.amp007 import Fp16OverflowLiteral, numeric_constant
+from flake8_amp.analysis.constants import numeric_constant
+from flake8_amp.rules.amp007 import Fp16OverflowLiteral
 
 
 def plan(source: SourceFile, findings: Sequence[Finding]) -> Plan:
