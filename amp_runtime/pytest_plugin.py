@@ -127,21 +127,15 @@ def pytest_runtest_call(item: pytest.Item):
     """Judge the guard's device readings still in flight as the test body ends, before its
     report (which judges the events) is made; the guard itself exits at fixture teardown."""
     guard = item.stash.get(_GUARD_KEY, None)
+    error = None
     try:
         result = yield
-    except BaseException:
+    finally:  # a test that failed on its own keeps its failure, the events go next to it
         if guard is not None:
             try:
-                guard.flush()  # the events go into the report next to the test's own failure
-            except GuardError:
-                pass
-        raise
-    error = None
-    if guard is not None:
-        try:
-            guard.flush()
-        except GuardError as err:  # policy="raise", judged after the test's code returned
-            error = err
+                guard.flush()
+            except GuardError as err:  # policy="raise", judged after the test's code returned
+                error = err
     if error is not None:  # the event names the test's line; the guard's frames would not
         pytest.fail(f"GuardError: {error}", pytrace=False)
     return result
