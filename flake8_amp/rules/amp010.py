@@ -47,9 +47,9 @@ class ScalerDtypeMismatch(Check):
 
     def __init__(self, context, findings):
         super().__init__(context, findings)
-        #: Enabled ``GradScaler(...)`` calls -> dtypes of the regions of the functions that
-        #: scale a backward with them.
-        self._scaler_uses: Dict[nodes.Call, Set[Optional[str]]] = {}
+        #: Each scope that opens regions, with their dtypes: which scalers the scope uses is
+        #: only worth finding (``finish``) in a file with a bf16 region.
+        self._region_scopes: List[Tuple[nodes.NodeNG, Set[Optional[str]]]] = []
 
     def visit_module(self, node: nodes.Module) -> None:
         self._check_scope(node)
@@ -70,7 +70,7 @@ class ScalerDtypeMismatch(Check):
                 "small gradients flush to zero",
             )
         if entries:
-            self._record_scaler_uses(scope, {region.dtype for _, region in entries})
+            self._region_scopes.append((scope, {region.dtype for _, region in entries}))
 
     def _fp16_with_grad(
         self, entries: Iterable[Tuple[nodes.NodeNG, Region]]
@@ -99,17 +99,21 @@ class ScalerDtypeMismatch(Check):
                 found.extend(helper_fp16)
         return found
 
-    def _record_scaler_uses(self, scope: nodes.NodeNG, dtypes: Set[Optional[str]]) -> None:
-        flow = scaler_analysis(self.context).flow(scope)
-        if not flow.scaled_backwards:
-            return
-        for scaler in flow.scalers.values():
-            if scaler.surely_enabled:
-                for construction in scaler.constructions:
-                    self._scaler_uses.setdefault(construction, set()).update(dtypes)
-
     def finish(self) -> None:
-        for construction, dtypes in self._scaler_uses.items():
+        if not any(BF16 in dtypes for _, dtypes in self._region_scopes):
+            return
+        # enabled GradScaler(...) calls -> dtypes of the regions of the scopes that scale a
+        # backward with them
+        scaler_uses: Dict[nodes.Call, Set[Optional[str]]] = {}
+        for scope, dtypes in self._region_scopes:
+            flow = scaler_analysis(self.context).flow(scope)
+            if not flow.scaled_backwards:
+                continue
+            for scaler in flow.scalers.values():
+                if scaler.surely_enabled:
+                    for construction in scaler.constructions:
+                        scaler_uses.setdefault(construction, set()).update(dtypes)
+        for construction, dtypes in scaler_uses.items():
             if dtypes == {BF16}:
                 self.report(
                     construction,
