@@ -829,8 +829,7 @@ class StepReplay(Monitor):
     def _judge_trace(self, op_trace: OpTrace, step: int) -> None:
         """Judge the replayed ops as the live trace's are judged, reading their peaks at once
         (the one wait of a replay's forward): an AMP101 becomes ``step``'s forward cause."""
-        with torch._C.DisableTorchFunction():
-            stacked, positions, ops = op_trace.take()
+        stacked, positions, ops = op_trace.take()
         if ops:
             values = self.guard.readings.read_now(stacked)
             report_trace(self.guard, ops, positions, values, step)

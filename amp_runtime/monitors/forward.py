@@ -176,20 +176,21 @@ class OpTrace:
     def take(self) -> Tuple[List[torch.Tensor], List[int], List[TracedOp]]:
         """What the stretch recorded, and a fresh start: the peaks as one float32 tensor per
         device (the parameters' norms last), where each index's value lands among the values
-        read from them, and the ops."""
+        read from them, and the ops. The guard's own tensor work: no mode sees it."""
         stacked, starts, size = [], {}, 0
-        for group in self._groups.values():
-            starts[id(group)] = size
-            size += len(group)
-            stacked.append(torch.stack(group).float())
-        positions = [starts[id(group)] + position for group, position in self._slots]
-        if self.parameters:
-            norms = torch._foreach_norm(self.parameters, 2)
-            try:
-                stacked.append(torch.stack(norms).float())
-            except RuntimeError:  # parameters on several devices: the readings group them
-                stacked += [norm.float() for norm in norms]
-            positions += range(size + len(norms) - 1, size - 1, -1)  # parameter j at ~j
+        with torch._C.DisableTorchFunction():
+            for group in self._groups.values():
+                starts[id(group)] = size
+                size += len(group)
+                stacked.append(torch.stack(group).float())
+            positions = [starts[id(group)] + position for group, position in self._slots]
+            if self.parameters:
+                norms = torch._foreach_norm(self.parameters, 2)
+                try:
+                    stacked.append(torch.stack(norms).float())
+                except RuntimeError:  # parameters on several devices: the readings group them
+                    stacked += [norm.float() for norm in norms]
+                positions += range(size + len(norms) - 1, size - 1, -1)  # parameter j at ~j
         ops = self.ops
         self.ops, self.parameters, self._groups, self._slots, self._known = [], [], {}, [], {}
         self._parameter_index = {}
@@ -340,8 +341,7 @@ class ForwardMonitor(Monitor):
         """Hand the ops traced so far to the readings: their peaks, a few stacked tensors."""
         if not self.trace.ops:
             return
-        with torch._C.DisableTorchFunction():
-            stacked, positions, ops = self.trace.take()
+        stacked, positions, ops = self.trace.take()
         self.submit(stacked, functools.partial(self._judge_trace, ops, positions))
 
     def _judge_trace(self, ops: List[TracedOp], positions: List[int], values: List[float],

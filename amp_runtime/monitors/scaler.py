@@ -158,8 +158,8 @@ WATCHED_METHODS = ("scale", "unscale_", "_check_inf_per_device", "step", "update
 _watches = threading.local()
 
 
-def _watch_for(scaler: GradScaler) -> Optional["ScalerWatch"]:
-    """The ScalerWatch running ``scaler``'s methods: the innermost guard's in this thread,
+def _current_watch() -> Optional["ScalerWatch"]:
+    """The ScalerWatch that runs a GradScaler's methods: the innermost guard's in this thread,
     unless torch.compile is tracing."""
     stack = getattr(_watches, "stack", None)
     if not stack or is_compiling():
@@ -170,7 +170,7 @@ def _watch_for(scaler: GradScaler) -> Optional["ScalerWatch"]:
 def _watched(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        watch = _watch_for(self)
+        watch = _current_watch()
         if watch is None:
             return original(self, *args, **kwargs)
         # the user's call runs once whatever the watch does around it
