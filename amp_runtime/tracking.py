@@ -69,10 +69,11 @@ def _code_kind(filename: str) -> int:
     return _SKIPPED if filename.startswith(_SKIPPED_DIRS) else _USER
 
 
-def call_frames(frame):
-    """``(user frame, library frame)`` from ``frame`` outwards: the innermost frame outside
-    torch, this package and the frameworks (None when the whole stack is theirs), and the
-    innermost framework frame inside it (None when the user's code called torch directly)."""
+def call_frames(frame) -> "Location":
+    """Where the code of ``frame`` was called from, as ``(user's place, library's place)``: the
+    innermost frame outside torch, this package and the frameworks (None when the whole stack
+    is theirs), and the innermost framework frame inside it (None when the user's code called
+    torch directly)."""
     library = None
     while frame is not None:
         kind = _code_kind(frame.f_code.co_filename)
@@ -81,7 +82,7 @@ def call_frames(frame):
         if kind == _FRAMEWORK:
             library = library or frame
         frame = frame.f_back
-    return frame, library
+    return _place(frame), _place(library)
 
 
 def format_source(filename: str, lineno: int) -> str:
@@ -115,8 +116,7 @@ def _place(frame) -> Place:
 
 def user_location() -> Location:
     """Where the code running now was called from (see ``call_frames``), unformatted."""
-    user, library = call_frames(sys._getframe(1))
-    return _place(user), _place(library)
+    return call_frames(sys._getframe(1))
 
 
 def format_location(location: Location) -> Tuple[Optional[str], Optional[str]]:
@@ -249,8 +249,7 @@ class ModuleTracker:
             if module_path is None:  # the first time: named from the running modules
                 module_path = self.current()
             module_path = module_path or type(module).__name__
-        user, library = call_frames(frame.f_back)
-        called_from = (_place(user), _place(library))
+        called_from = call_frames(frame.f_back)
         self._last_call = (frame, module_path, called_from)
         return module_path, called_from
 
@@ -263,8 +262,7 @@ class ModuleTracker:
         if known is None:
             if len(self._loop_locations) >= MAX_LOOP_LOCATIONS:
                 self._loop_locations.clear()
-            user, library = call_frames(sys._getframe(1))
-            known = self._loop_locations[key] = (_place(user), _place(library))
+            known = self._loop_locations[key] = call_frames(sys._getframe(1))
         return known
 
     def release_frames(self) -> None:
