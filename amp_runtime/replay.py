@@ -218,16 +218,23 @@ def _sharded(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def _map_tensors(value, function: Callable[[torch.Tensor], torch.Tensor]):
+    """A call argument with ``function`` applied to the tensors in it and in its plain lists,
+    tuples and dicts; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if type(value) in (list, tuple):
+        return type(value)(_map_tensors(item, function) for item in value)
+    if type(value) is dict:
+        return {key: _map_tensors(item, function) for key, item in value.items()}
+    return value
+
+
 def _detached(value):
     """A call argument with its autograd history cut: an input that came out of the original
     step's graph (freed by its backward) must not join the replay's."""
-    if isinstance(value, torch.Tensor):
-        return value.detach() if value.grad_fn is not None else value
-    if type(value) in (list, tuple):
-        return type(value)(_detached(item) for item in value)
-    if type(value) is dict:
-        return {key: _detached(item) for key, item in value.items()}
-    return value
+    return _map_tensors(value, lambda tensor: tensor.detach() if tensor.grad_fn is not None
+                        else tensor)
 
 
 def _finiteness_probe(grads) -> Optional[torch.Tensor]:
@@ -991,16 +998,6 @@ def _dtype_and_shape(tensor: torch.Tensor) -> str:
     return f"{dtype_name(tensor.dtype)}{list(tensor.shape)}"
 
 
-def _on(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if type(value) in (list, tuple):
-        return type(value)(_on(item, device) for item in value)
-    if type(value) is dict:
-        return {key: _on(item, device) for key, item in value.items()}
-    return value
-
-
 def replay_bundle(bundle: Dict[str, Any], modules: Sequence[torch.nn.Module],
                   device: Optional[str] = None):
     """Re-run a bundle's step on ``modules`` (built by the user's factory, in the bundle's
@@ -1027,7 +1024,8 @@ def replay_bundle(bundle: Dict[str, Any], modules: Sequence[torch.nn.Module],
         replayer = g.replayer
         calls = []
         for call in bundle["calls"]:
-            args, kwargs = _on(call["args"], target), _on(call["kwargs"], target)
+            args, kwargs = (_map_tensors(call[part], lambda tensor: tensor.to(target))
+                            for part in ("args", "kwargs"))
             rng = {"cpu": call["rng"]["cpu"]}
             cuda = [state for name, state in call["rng"].items() if name.startswith("cuda")]
             if cuda and target.type == "cuda":
