@@ -58,7 +58,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .events import FINDINGS, AmpRuntimeWarning
 from .mode import GuardMode
-from .monitors import Monitor, dtype_name, readable, tensors_in
+from .monitors import Monitor, autograd_nodes, dtype_name, readable, tensors_in
 from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
 from .monitors.grads import l2_norms, layer_of, listing
 from .monitors.scaler import SKIPPED
@@ -411,7 +411,8 @@ class _Localizer:
         # autograd Function's): the inputs were detached, so the walk stays in this graph
         contain = self._guard.containment.wrap
         handles = [node.register_hook(contain(self._replay, functools.partial(seen, node)))
-                   for node in _graph_nodes(root.grad_fn for root in roots)]
+                   for node in autograd_nodes(root.grad_fn for root in roots)
+                   if not _is_leaf_node(node)]
         wanted = [p for p in params if p.requires_grad]
         try:
             grads = _users_code("backward", torch.autograd.grad, roots, wanted, seeds,
@@ -444,18 +445,6 @@ def _users_code(what: str, function: Callable, *args, **kwargs):
         raise
     except Exception as err:
         raise ReplayError(f"the replayed {what} raised {type(err).__name__}: {err}") from None
-
-
-def _graph_nodes(starts) -> Iterator[Any]:
-    """The autograd nodes reachable from ``starts``, except the leaves' accumulators."""
-    queue, seen = deque(starts), set()
-    while queue:
-        node = queue.popleft()
-        if node is None or node in seen or _is_leaf_node(node):
-            continue
-        seen.add(node)
-        yield node
-        queue.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _is_leaf_node(node) -> bool:

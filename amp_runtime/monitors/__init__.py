@@ -14,8 +14,9 @@ judges inert) for the rest of the run.
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
-from typing import Any, Callable, Dict, FrozenSet, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -128,10 +129,11 @@ def peak(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor, float("inf"))
 
 
-def autograd_nodes(root: torch.Tensor, limit: int) -> Iterator[Any]:
-    """The autograd nodes behind ``root``, breadth first, at most ``limit`` of them (a bounded
-    walk: the checks that use it look for something near the root)."""
-    queue, seen = deque([root.grad_fn]), set()
+def autograd_nodes(starts: Iterable[Any], limit: float = math.inf) -> Iterator[Any]:
+    """The autograd nodes reachable from the nodes ``starts`` (a tensor's ``grad_fn``), breadth
+    first, at most ``limit`` of them (the checks that look for something near a root bound
+    the walk)."""
+    queue, seen = deque(starts), set()
     while queue and len(seen) < limit:
         node = queue.popleft()
         if node is None or node in seen:

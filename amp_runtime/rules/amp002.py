@@ -23,7 +23,7 @@ GRAPH_NODES = 256
 
 def reaches_fp32_parameter(tensor: torch.Tensor) -> bool:
     """Whether the graph behind ``tensor`` accumulates into an fp32 leaf (a parameter)."""
-    for node in autograd_nodes(tensor, GRAPH_NODES):
+    for node in autograd_nodes([tensor.grad_fn], GRAPH_NODES):
         leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32:
             return True

@@ -28,7 +28,7 @@ _LOW = (torch.float16, torch.bfloat16)
 def low_precision_dtype(root: torch.Tensor, limit: int = GRAPH_NODES) -> Optional[torch.dtype]:
     """float16 or bfloat16 if the graph behind ``root`` computes in it (fp16 wins), else None."""
     found = None
-    for node in autograd_nodes(root, limit):
+    for node in autograd_nodes([root.grad_fn], limit):
         for meta in getattr(node, "_input_metadata", ()):
             if meta.dtype == torch.float16:
                 return torch.float16
