@@ -1,9 +1,9 @@
 """Numeric health of the forward pass: AMP101, AMP102, AMP110, AMP111, AMP112.
 
 Per-op tracing (AMP101 non-finite output from finite inputs, AMP102 fp16 near-overflow)
-costs one reduction per checked output: ``peak`` (max |x|) propagates NaN, so one number
-answers NaN, Inf and headroom to 65504. Tracing checks fp16/bf16 outputs, and fp32 outputs
-while autocast is on: there autocast runs softmax, norms and losses in fp32 on
+costs one reduction per checked output: its peak (max |x|, from ``extremes``) propagates NaN,
+so one number answers NaN, Inf and headroom to 65504. Tracing checks fp16/bf16 outputs, and
+fp32 outputs while autocast is on: there autocast runs softmax, norms and losses in fp32 on
 low-precision inputs, and a NaN born there is still the first cause. fp32 ops outside
 autocast are not mixed precision's business, and checking them would double the cost of
 tracing an fp32 model.
@@ -35,6 +35,7 @@ from ..monitors import (
     OpHandler,
     autocast_on,
     dtype_name,
+    extremes,
     peak,
     readable,
     tensors_in,
@@ -104,8 +105,9 @@ class OpTrace:
     base's), while neither has changed in place since (the version counter says so). Parameters
     are measured once per stretch, all together when it is handed over (``take``), by their L2
     norms: one fused kernel, an upper bound of max |x| that keeps NaN and Inf. Other inputs
-    (batches, buffers, copies, tensors of earlier steps) get a peak of their own. Peaks are kept
-    in one list per dtype and device, each stacked into one tensor when handed over.
+    (batches, buffers, copies, tensors of earlier steps) get a peak of their own. A peak is
+    kept as the pair :func:`~amp_runtime.monitors.extremes` measures, in two lists per dtype
+    and device, stacked and combined into one tensor of peaks when handed over.
 
     Indices: the i-th peak of the stretch is ``i``; parameter ``j`` is ``~j`` (negative), which
     the position list ``take`` returns (peaks, then parameters in reverse) resolves by Python's
@@ -116,9 +118,10 @@ class OpTrace:
         self._tracker = tracker
         self.ops: List[TracedOp] = []
         self.parameters: List[torch.Tensor] = []
-        #: Peaks by (dtype, device index); ``_slots[i]`` is where the i-th peak is kept.
-        self._groups: Dict[Tuple[torch.dtype, int], List[torch.Tensor]] = {}
-        self._slots: List[Tuple[List[torch.Tensor], int]] = []
+        #: ``(highs, lows)`` by (dtype, device index); ``_slots[i]`` is where the i-th peak is
+        #: kept: its group's key and its position in both lists.
+        self._groups: Dict[Tuple[torch.dtype, int], Tuple[List[torch.Tensor], ...]] = {}
+        self._slots: List[Tuple[Tuple[torch.dtype, int], int]] = []
         #: id(tensor) -> (weak reference, version, index) of the tensors measured so far.
         self._known: Dict[int, Tuple[weakref.ref, int, int]] = {}
         #: id(parameter) -> its index (``~j`` for ``parameters[j]``).
@@ -167,7 +170,7 @@ class OpTrace:
                 dtypes.append(tensor.dtype)
         if returns_input and not writes_in_place(func, kwargs):
             return  # ``x.float()`` of a float x, dropout(p=0): the input itself, nothing new
-        index = self._add(peak(out))
+        index = self._add(out)
         self._remember(out, index)
         module, location = self._tracker.site()
         self.ops.append(TracedOp(func, out.dtype, index, inputs, dtypes, constant, has_tensors,
@@ -179,11 +182,11 @@ class OpTrace:
         read from them, and the ops. The guard's own tensor work: no mode sees it."""
         stacked, starts, size = [], {}, 0
         with torch._C.DisableTorchFunction():
-            for group in self._groups.values():
-                starts[id(group)] = size
-                size += len(group)
-                stacked.append(torch.stack(group).float())
-            positions = [starts[id(group)] + position for group, position in self._slots]
+            for key, (highs, lows) in self._groups.items():
+                starts[key] = size
+                size += len(highs)
+                stacked.append(torch.maximum(torch.stack(highs), torch.stack(lows).neg()).float())
+            positions = [starts[key] + position for key, position in self._slots]
             if self.parameters:
                 norms = torch._foreach_norm(self.parameters, 2)
                 try:
@@ -197,14 +200,18 @@ class OpTrace:
         self._tracker.release_frames()
         return stacked, positions, ops
 
-    def _add(self, value: torch.Tensor) -> int:
-        """Keep a 0-dim peak; its index in the stretch."""
-        key = (value.dtype, value.get_device())
+    def _add(self, tensor: torch.Tensor) -> int:
+        """Measure ``tensor`` (its extremes, combined into its peak by ``take``); its index in
+        the stretch."""
+        key = (tensor.dtype, tensor.get_device())
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = []
-        self._slots.append((group, len(group)))
-        group.append(value)
+            group = self._groups[key] = ([], [])
+        highs, lows = group
+        self._slots.append((key, len(highs)))
+        high, low = extremes(tensor)
+        highs.append(high)
+        lows.append(low)
         return len(self._slots) - 1
 
     def _measure(self, tensor: torch.Tensor) -> Optional[int]:
@@ -220,7 +227,7 @@ class OpTrace:
         if index is None:
             if not readable(tensor):
                 return None
-            index = self._add(peak(tensor))
+            index = self._add(tensor)
         self._remember(tensor, index)
         return index
 
