@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence
 
 from .events import PACKAGE_DIR, GuardError
 from .html_report import REPORT_FILE, ReportError, build_report
-from .ranks import LOG_FOLDER, launcher_rank, rank_log_dir
+from .ranks import LOG_FOLDER, launcher_rank, rank_log_dir, report_folders
 
 PROG = "python -m amp_runtime"
 DEFAULT_OUT = LOG_FOLDER
@@ -268,9 +268,7 @@ def _run(options) -> int:
     width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None
     print(guard.report.summary(width=width), file=sys.stderr)
     if not options.no_report:
-        # rank 0 also builds the page over all ranks, from what they have written so far
-        folders = [out, base] if out != base and rank == 0 else [out]
-        for folder in folders:
+        for folder in report_folders(out, base, rank):
             try:
                 page = build_report(folder)
                 print(f"amp_runtime: report at {page}", file=sys.stderr)

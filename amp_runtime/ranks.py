@@ -27,6 +27,15 @@ def rank_log_dir(base: Union[str, os.PathLike], rank: Optional[int], world_size:
     return base / RANK_DIR.format(rank) if world_size > 1 and rank is not None else base
 
 
+def report_folders(log_dir: Union[str, os.PathLike], base: Union[str, os.PathLike],
+                   rank: Optional[int]) -> List[Path]:
+    """The folders a finished process builds ``report.html`` in: its own log folder, and on
+    rank 0 of a run with several processes also ``base``, whose page covers every rank (from
+    what the others have written so far)."""
+    log_dir, base = Path(log_dir), Path(base)
+    return [log_dir, base] if rank == 0 and log_dir != base else [log_dir]
+
+
 def launcher_rank() -> Tuple[Optional[int], int]:
     """``(rank, world size)`` from the environment torchrun (and Lightning's and
     accelerate's launchers) set for each process: ``RANK``, ``WORLD_SIZE``; ``(None, 1)``

@@ -15,7 +15,7 @@ import torch
 
 from ..guard import Guard
 from ..html_report import ReportError, build_report
-from ..ranks import LOG_FOLDER, rank_log_dir
+from ..ranks import LOG_FOLDER, rank_log_dir, report_folders
 from ..thresholds import Thresholds
 
 LogDir = Union[str, os.PathLike, None, bool]
@@ -99,10 +99,7 @@ class GuardSession:
         of the events on stderr. A healthy run prints nothing."""
         pages = []
         if self._report and self.log_dir is not None:
-            folders = [self.log_dir]
-            if self._rank == 0:
-                folders.append(self._base)
-            for folder in folders:
+            for folder in report_folders(self.log_dir, self._base, self._rank):
                 try:
                     pages.append(build_report(folder))
                 except ReportError as err:
