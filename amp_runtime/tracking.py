@@ -62,11 +62,26 @@ _FRAMEWORK_DIRS = _package_dirs(FRAMEWORKS)
 _SKIPPED, _FRAMEWORK, _USER = range(3)
 
 
-def _code_kind(filename: str) -> int:
+#: ``_code_kind`` of the code objects met so far (per-op tracing asks for a few at every op).
+_CODE_KINDS: Dict[CodeType, int] = {}
+#: Code objects remembered before ``_CODE_KINDS`` starts anew (code made by ``exec`` is new
+#: each time).
+MAX_CODE_KINDS = 4096
+
+
+def _code_kind(code: CodeType) -> int:
     """``_SKIPPED`` (torch's, the guard's), ``_FRAMEWORK`` or ``_USER`` code."""
-    if filename.startswith(_FRAMEWORK_DIRS):
-        return _FRAMEWORK
-    return _SKIPPED if filename.startswith(_SKIPPED_DIRS) else _USER
+    kind = _CODE_KINDS.get(code)
+    if kind is None:
+        if len(_CODE_KINDS) >= MAX_CODE_KINDS:
+            _CODE_KINDS.clear()
+        filename = code.co_filename
+        if filename.startswith(_FRAMEWORK_DIRS):
+            kind = _FRAMEWORK
+        else:
+            kind = _SKIPPED if filename.startswith(_SKIPPED_DIRS) else _USER
+        _CODE_KINDS[code] = kind
+    return kind
 
 
 def call_frames(frame) -> "Location":
@@ -76,7 +91,7 @@ def call_frames(frame) -> "Location":
     torch directly)."""
     library = None
     while frame is not None:
-        kind = _code_kind(frame.f_code.co_filename)
+        kind = _code_kind(frame.f_code)
         if kind == _USER:
             break
         if kind == _FRAMEWORK:
@@ -173,8 +188,6 @@ class ModuleTracker:
         self.generation = 0
         #: The module call frame ``site`` read last, its module's path and where it was called.
         self._last_call: Tuple[Optional[FrameType], Optional[str], Location] = (None, None, NOWHERE)
-        #: ``_code_kind`` of the code objects ``site`` met.
-        self._code_kinds: Dict[CodeType, int] = {}
         #: ``loop_location``'s locations, by the caller's key.
         self._loop_locations: Dict[Hashable, Location] = {}
         if model is not None:
@@ -218,7 +231,6 @@ class ModuleTracker:
         a framework's, the place is the one that called the module, remembered with the call."""
         frame = sys._getframe(1)
         user = library = None
-        kinds = self._code_kinds
         while frame is not None:
             code = frame.f_code
             if code is CALL_IMPL_CODE:
@@ -229,9 +241,7 @@ class ModuleTracker:
                     user, library = called_from[0], library or called_from[1]
                 return module_path, (user, library)
             if user is None:
-                kind = kinds.get(code)
-                if kind is None:
-                    kind = kinds[code] = _code_kind(code.co_filename)
+                kind = _code_kind(code)
                 if kind == _USER:
                     user = (code.co_filename, frame.f_lineno)
                 elif kind == _FRAMEWORK and library is None:
