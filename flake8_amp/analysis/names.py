@@ -676,6 +676,22 @@ def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
     return value, position
 
 
+#: Nodes that decide whether the code in one of their parts runs.
+_CHOICES = (nodes.If, nodes.IfExp, nodes.MatchCase, nodes.ExceptHandler, nodes.BoolOp)
+
+
+def conditional_in(node: nodes.NodeNG, scope: nodes.NodeNG) -> bool:
+    """An ``if``/``else``, conditional expression, ``match`` case, ``except`` handler or
+    ``and``/``or`` between ``node`` and ``scope`` decides whether ``node`` runs."""
+    child, parent = node, node.parent
+    while parent is not None and child is not scope:
+        if isinstance(parent, _CHOICES) and child is not getattr(parent, "test", None):
+            if not isinstance(parent, nodes.BoolOp) or child is not parent.values[0]:
+                return True
+        child, parent = parent, parent.parent
+    return False
+
+
 def code_frame(node: nodes.NodeNG) -> nodes.NodeNG:
     """The function, class or module whose code ``node`` runs as part of: a lambda belongs
     to the code that defines it (``tree_map(lambda t: t.half(), batch)`` in a train step)."""

@@ -237,6 +237,13 @@ class ScalerFlow:
         key = expression_key(expr) if expr is not None else None
         return key is not None and key in self.scalers
 
+    def may_skip_scaler(self, call: nodes.Call) -> bool:
+        """Some path to ``call`` took the no-scaler arm of an amp/scaler flag (the ``else``
+        of ``if scaler is not None``, or the code after ``if use_amp: ...; continue``)."""
+        return any(
+            (AMP_CONDITION, False) in state.conditions for state in self.states_before.get(call, ())
+        )
+
     def in_no_scaler_arm(self, node: nodes.NodeNG) -> bool:
         """``node`` is in one arm of an ``if`` whose other arm uses the scaler."""
         child, parent = node, node.parent
