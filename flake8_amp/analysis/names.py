@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from astroid import nodes
 from astroid.manager import AstroidManager
@@ -97,6 +97,8 @@ class Names:
         # Every rule asks about the same calls: answers are cached per node.
         self._bindings: Dict[nodes.Name, List[nodes.NodeNG]] = {}
         self._callees: Dict[nodes.Call, Optional[Callee]] = {}
+        self._mros: Dict[nodes.ClassDef, Optional[Tuple[MroEntry, ...]]] = {}
+        self._sharing_self: Dict[nodes.FunctionDef, Optional[List[nodes.FunctionDef]]] = {}
 
     # -- calls -------------------------------------------------------------------------
 
@@ -116,21 +118,22 @@ class Names:
         return by_name
 
     def local_function(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        """The function or method (``self.f(...)``) of this module that ``call`` calls."""
+        """The function or method of this module that ``call`` calls: ``self.f(...)`` calls
+        the ``f`` of the first class defining it in its class's MRO (:meth:`method_of`)."""
         func = call.func
         if isinstance(func, nodes.Name):
             definitions = self.bindings(func)
-        elif isinstance(func, nodes.Attribute) and is_self(func.expr):
+            if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
+                return None
+            return definitions[0]
+        if isinstance(func, nodes.Attribute) and is_self(func.expr):
             owner = enclosing_class(call)
-            definitions = [m for m in owner.mymethods() if m.name == func.attrname] if owner else []
-        else:
-            return None
-        if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
-            return None
-        return definitions[0]
+            return self.method_of(owner, func.attrname) if owner is not None else None
+        return None
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
-        """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its class."""
+        """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its
+        class and in the subclasses that inherit it."""
         return [
             call
             for call in self.calls_by_name.get(function.name, ())
@@ -172,6 +175,92 @@ class Names:
                 return None
             values.append(value)
         return values
+
+    # -- classes -----------------------------------------------------------------------
+
+    @functools.cached_property
+    def module_classes(self) -> List[nodes.ClassDef]:
+        return list(self.context.module.nodes_of_class(nodes.ClassDef))
+
+    def class_mro(self, classdef: nodes.ClassDef) -> Optional[Tuple[MroEntry, ...]]:
+        """``classdef``'s method resolution order (C3, as Python computes it) over the
+        classes of this module; a base from elsewhere (``nn.Module``) stands as its source
+        text, its own bases unseen. None when C3 fails (or the bases loop)."""
+        if classdef in self._mros:
+            return self._mros[classdef]
+        self._mros[classdef] = None  # a class reached again while computing is a loop
+        bases: List[MroEntry] = []
+        for base in classdef.bases:
+            classes = (
+                [b for b in self.bindings(base) if isinstance(b, nodes.ClassDef)]
+                if isinstance(base, nodes.Name)
+                else []
+            )
+            if len(classes) == 1 and classes[0] is not classdef:
+                bases.append(classes[0])
+            elif base.as_string() != "object":
+                bases.append(self.qualname(base) or base.as_string())
+        linearizations = []
+        for base in bases:
+            linearization = self.class_mro(base) if isinstance(base, nodes.ClassDef) else (base,)
+            if linearization is None:
+                return None
+            linearizations.append(list(linearization))
+        merged = _c3_merge([*linearizations, list(bases)])
+        mro = self._mros[classdef] = (classdef, *merged) if merged is not None else None
+        return mro
+
+    def method_of(self, classdef: nodes.ClassDef, name: str) -> Optional[nodes.FunctionDef]:
+        """The method ``name`` that ``self.<name>`` finds on a ``classdef`` object: that of
+        the first class of its MRO that defines the name; None when that is no single
+        ``def``, or a base from elsewhere comes first (it may define the name)."""
+        for entry in self.class_mro(classdef) or ():
+            if not isinstance(entry, nodes.ClassDef):
+                return None
+            definitions = entry.locals.get(name)
+            if definitions:
+                if len(definitions) == 1 and isinstance(definitions[0], nodes.FunctionDef):
+                    return definitions[0]
+                return None
+        return None
+
+    def methods_sharing_self(self, method: nodes.FunctionDef) -> Optional[List[nodes.FunctionDef]]:
+        """The methods that can run on an object ``method`` runs on: those of every class
+        in the MRO of each class of this module whose objects can run ``method`` (its class
+        and the subclasses that inherit it or reach it other than by ``self.<name>()``,
+        e.g. ``super().<name>()``). None when a base from elsewhere is among them (its code
+        is unseen) or an MRO is unknown."""
+        if method in self._sharing_self:
+            return self._sharing_self[method]
+        owner = method.parent
+        found: Optional[List[nodes.FunctionDef]] = []
+        for classdef in self.module_classes:
+            mro = self.class_mro(classdef)
+            if mro is None:
+                found = None
+                break
+            if owner not in mro or not self._runs_on(method, mro):
+                continue
+            if not all(isinstance(entry, nodes.ClassDef) for entry in mro):
+                found = None
+                break
+            for entry in mro:
+                found.extend(m for m in entry.mymethods() if m not in found)
+        self._sharing_self[method] = found
+        return found
+
+    def _runs_on(self, method: nodes.FunctionDef, mro: Tuple[MroEntry, ...]) -> bool:
+        """Objects of the class whose MRO is ``mro`` may run ``method``: it is the one
+        ``self.<name>`` finds, or their code calls ``<name>`` on something else than ``self``
+        (an override calling ``super().<name>()``)."""
+        if self.method_of(mro[0], method.name) is method:
+            return True
+        return any(
+            isinstance(call.func, nodes.Attribute)
+            and not is_self(call.func.expr)
+            and enclosing_class(call) in mro
+            for call in self.calls_by_name.get(method.name, ())
+        )
 
     # -- assignments -------------------------------------------------------------------
 
@@ -446,6 +535,26 @@ class Names:
         return callee.qualname if callee is not None else None
 
 
+#: An entry of a class's MRO: a class of this module, or the source text of one from elsewhere.
+MroEntry = Union[nodes.ClassDef, str]
+
+
+def _c3_merge(sequences: List[List[MroEntry]]) -> Optional[List[MroEntry]]:
+    """C3 merge of the bases' linearizations; None when no consistent order exists."""
+    merged: List[MroEntry] = []
+    sequences = [s for s in sequences if s]
+    while sequences:
+        head = next(
+            (s[0] for s in sequences if not any(s[0] in other[1:] for other in sequences)),
+            None,
+        )
+        if head is None:
+            return None
+        merged.append(head)
+        sequences = [rest for rest in ([e for e in s if e != head] for s in sequences) if rest]
+    return merged
+
+
 # -- small tree helpers shared by the analyses -------------------------------------------
 
 
@@ -565,6 +674,22 @@ def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
     if isinstance(value, (nodes.Tuple, nodes.List)) and len(value.elts) != len(target.elts):
         return None
     return value, position
+
+
+#: Nodes that decide whether the code in one of their parts runs.
+_CHOICES = (nodes.If, nodes.IfExp, nodes.MatchCase, nodes.ExceptHandler, nodes.BoolOp)
+
+
+def conditional_in(node: nodes.NodeNG, scope: nodes.NodeNG) -> bool:
+    """An ``if``/``else``, conditional expression, ``match`` case, ``except`` handler or
+    ``and``/``or`` between ``node`` and ``scope`` decides whether ``node`` runs."""
+    child, parent = node, node.parent
+    while parent is not None and child is not scope:
+        if isinstance(parent, _CHOICES) and child is not getattr(parent, "test", None):
+            if not isinstance(parent, nodes.BoolOp) or child is not parent.values[0]:
+                return True
+        child, parent = parent, parent.parent
+    return False
 
 
 def code_frame(node: nodes.NodeNG) -> nodes.NodeNG:

@@ -28,6 +28,7 @@ from astroid import nodes
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import (
     bound_value,
+    code_frame,
     enclosing_class,
     is_self,
     keyword_value,
@@ -235,6 +236,13 @@ class ScalerFlow:
     def is_scaler(self, expr: Optional[nodes.NodeNG]) -> bool:
         key = expression_key(expr) if expr is not None else None
         return key is not None and key in self.scalers
+
+    def may_skip_scaler(self, call: nodes.Call) -> bool:
+        """Some path to ``call`` took the no-scaler arm of an amp/scaler flag (the ``else``
+        of ``if scaler is not None``, or the code after ``if use_amp: ...; continue``)."""
+        return any(
+            (AMP_CONDITION, False) in state.conditions for state in self.states_before.get(call, ())
+        )
 
     def in_no_scaler_arm(self, node: nodes.NodeNG) -> bool:
         """``node`` is in one arm of an ``if`` whose other arm uses the scaler."""
@@ -578,15 +586,15 @@ class ScalerAnalysis:
     def never_unscaled(self, key: str, scope: nodes.NodeNG) -> bool:
         """No code that can reach the scaler known as ``key`` in ``scope`` calls ``unscale_``
         or hands the scaler to a call (a helper could unscale it). For ``self.<x>`` that code
-        is ``scope``'s class, or the module when the class derives from classes of this
-        module; a base class from elsewhere could unscale unseen."""
-        reach = self._reach(scope) if key.startswith("self.") else self.context.module
+        is the methods that share ``self`` with ``scope`` (:meth:`_reach`); a base class
+        from elsewhere could unscale unseen."""
+        reach = self._reach(scope) if key.startswith("self.") else [self.context.module]
         if reach is None:
             return False
         calls = (
             self.names.module_calls
-            if reach is self.context.module
-            else reach.nodes_of_class(nodes.Call)
+            if reach == [self.context.module]
+            else [call for method in reach for call in method.nodes_of_class(nodes.Call)]
         )
         return not any(
             method_call(call)[0] == "unscale_"
@@ -609,10 +617,10 @@ class ScalerAnalysis:
         reach = self._reach(function)
         if reach is None:
             return False
-        scopes = [reach, *reach.nodes_of_class(nodes.FunctionDef)]
-        flows = [self.flow(scope) for scope in scopes if isinstance(scope, nodes.FunctionDef)]
-        if isinstance(reach, nodes.Module):
-            flows.append(self.flow(reach))
+        functions = [f for code in reach for f in code.nodes_of_class(nodes.FunctionDef)]
+        flows = [self.flow(function) for function in functions]
+        if reach == [self.context.module]:
+            flows.append(self.flow(self.context.module))
         scaling = [flow for flow in flows if flow.scaled_backwards]
         return (
             bool(scaling)
@@ -624,30 +632,22 @@ class ScalerAnalysis:
             )
         )
 
-    def _reach(self, scope: nodes.NodeNG) -> Optional[nodes.NodeNG]:
-        """The code that shares ``self`` with ``scope``: its class, or the module when the
-        class derives from classes of this module (or ``scope`` is no method); None when a
-        base class from elsewhere does too."""
-        classdef = enclosing_class(scope)
-        if classdef is None:
-            return self.context.module
-        bases = [b for b in classdef.bases if b.as_string() != "object"]
-        if not all(self._defined_here(base) for base in bases):
-            return None
-        return classdef if not bases else self.context.module
+    def _reach(self, scope: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """The code that shares ``self`` with ``scope``: the methods that can run on the
+        objects it runs on (a mixin's, a subclass's that does not override it), or the
+        module when ``scope`` is no method; None when a class from elsewhere does too."""
+        if enclosing_class(scope) is None:
+            return [self.context.module]
+        return self.names.methods_sharing_self(code_frame(scope))
 
     def _builds_scaler(self, call: nodes.Call) -> bool:
         callee = self.names.callee(call)
         return callee is not None and not callee.instance and callee.qualname in GRAD_SCALERS
 
-    def _defined_here(self, base: nodes.NodeNG) -> bool:
-        return isinstance(base, nodes.Name) and any(
-            isinstance(binding, nodes.ClassDef) for binding in self.names.bindings(base)
-        )
-
     def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
         """The scaler comes from outside the function and is updated there: ``self.<scaler>``
-        updated in another method of the class, a module-level scaler updated anywhere in
+        updated in another method that shares ``self`` (of the class, where a class
+        from elsewhere does too), a module-level scaler updated anywhere in
         the module, or a parameter updated by a caller (a step helper that does not run the
         scaled backward itself and has no caller in this module is called from elsewhere,
         which may update). A local alias (``scaler = self.scaler``) stands for what it is
@@ -658,9 +658,12 @@ class ScalerAnalysis:
                 return is_self(values[0].expr) and self.updated_elsewhere(values[0])
         if isinstance(scaler, nodes.Attribute) and is_self(scaler.expr):
             classdef = enclosing_class(scaler)
-            return classdef is not None and any(
+            if classdef is None:
+                return False
+            methods = self.names.methods_sharing_self(code_frame(scaler))
+            return any(
                 method == "update" and expression_key(receiver) == expression_key(scaler)
-                for function in classdef.mymethods()
+                for function in (classdef.mymethods() if methods is None else methods)
                 for method, receiver in map(method_call, calls_in_order(function))
             )
         if isinstance(scaler, nodes.Name) and _is_parameter(scaler, self.names):

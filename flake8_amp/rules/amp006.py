@@ -6,9 +6,11 @@ an ``if``, after a helper that received the scaler, and for an optimizer built a
 scaler; after ``scaler.step`` stepped the same optimizer (with or without ``update()`` in
 between) it steps the same gradients a second time. ``torch.autograd.backward(
 scaler.scale(loss))`` is a scaled backward too. A step whose function runs no backward is
-reported when its class (or module) scales the backward elsewhere and never steps through
-the scaler, unscales it or hands it on. ``scaler.step`` needs an update later in
-its function, in another method (``self.<scaler>``), or in its caller (a scaler parameter).
+reported when the code sharing its ``self`` (its class, the bases and the subclasses that
+inherit it, when all are in the module; the module for a function) scales the backward
+elsewhere and never steps through the scaler, unscales it or hands it on. ``scaler.step``
+needs an update later in its function, in a method sharing ``self`` (``self.<scaler>``),
+or in its caller (a scaler parameter).
 """
 
 from __future__ import annotations

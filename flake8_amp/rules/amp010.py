@@ -7,6 +7,10 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
   function that uses and names no scaler
   (``loss_scaler(loss, optimizer)``) and that no ``GradScaler`` of the file can reach
   (one kept in another function's local variable cannot);
+- in a function that uses a GradScaler (builds one, or scales or unscales with it), an
+  fp16 region of its own whose loss a plain backward backpropagates: every assignment of
+  the name that reaches the backward is in the region, and the backward runs whatever the
+  flags say (no ``if``/``else`` around it, not after ``if use_amp: ...; continue``);
 - a bf16 region in a function that scales its backward with a scaler that is built
   enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine),
   when every function scaling a backward with that scaler runs bf16 regions only.
@@ -23,7 +27,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.constants import numeric_constant
-from flake8_amp.analysis.names import names_in
+from flake8_amp.analysis.names import bound_value, conditional_in, names_in
 from flake8_amp.analysis.regions import BF16, FP16, Region
 from flake8_amp.analysis.scaler import (
     NESTED_SCOPES,
@@ -59,9 +63,9 @@ class ScalerDtypeMismatch(Check):
 
     def _check_scope(self, scope: nodes.NodeNG) -> None:
         entries = list(self._region_entries(scope))
-        fp16 = []
-        if self._has_plain_backward(scope):
-            fp16 = self._fp16_with_grad(entries) + self._helper_fp16_regions(scope)
+        backwards = self._plain_backwards(scope)
+        own = self._fp16_with_grad(entries) if backwards else []
+        fp16 = own + self._helper_fp16_regions(scope) if backwards else []
         if fp16 and not self._mentions_scaler(scope):
             opener, region = fp16[0]
             self.report(
@@ -69,6 +73,13 @@ class ScalerDtypeMismatch(Check):
                 detail="fp16 autocast and backward() with no GradScaler: "
                 "small gradients flush to zero",
             )
+        elif own:
+            for opener, region in self._bypassing_the_scaler(scope, own, backwards):
+                self.report(
+                    region.source or opener,
+                    detail="fp16 autocast whose loss goes through a plain backward() "
+                    "though a GradScaler is used here: small gradients flush to zero",
+                )
         if entries:
             self._region_scopes.append((scope, {region.dtype for _, region in entries}))
 
@@ -134,15 +145,58 @@ class ScalerDtypeMismatch(Check):
                 if region is not None and region.active:
                     yield expr, region
 
-    def _has_plain_backward(self, scope: nodes.NodeNG) -> bool:
-        """An unscaled backward: ``loss.backward()`` or ``torch.autograd.backward(loss)``, not of
-        ``scaler.scale(loss)`` or a manually scaled loss (wrappers take the loss as an
-        argument: ``engine.backward(loss)``)."""
+    def _bypassing_the_scaler(
+        self,
+        scope: nodes.NodeNG,
+        fp16: List[Tuple[nodes.NodeNG, Region]],
+        backwards: List[Tuple[nodes.Call, nodes.NodeNG]],
+    ) -> List[Tuple[nodes.NodeNG, Region]]:
+        """The regions of ``fp16`` (opened in ``scope``, which uses a GradScaler) whose loss
+        a plain backward backpropagates: a name whose every reaching binding is made,
+        unscaled, inside the region, by a backward that runs whatever the flags say
+        (``if scaler: ... else: loss.backward()`` is the no-scaler path)."""
+        flow = scaler_analysis(self.context).flow(scope)
+        if not flow.scalers:
+            return []
+        names = self.context.names
+        by_statement = {_opened_by(opener): (opener, region) for opener, region in fp16}
+        found: List[Tuple[nodes.NodeNG, Region]] = []
+        for call, tensor in backwards:
+            if (
+                not isinstance(tensor, nodes.Name)
+                or call in flow.scaled_backwards
+                or conditional_in(call, scope)
+                or flow.may_skip_scaler(call)
+            ):
+                continue
+            made_in = [
+                self._made_in(binding, by_statement) for binding in names.reaching_bindings(tensor)
+            ]
+            if made_in and None not in made_in and made_in[0] not in found:
+                found.append(made_in[0])
+        return found
+
+    def _made_in(
+        self, binding: nodes.NodeNG, by_statement: Dict[nodes.NodeNG, Tuple[nodes.NodeNG, Region]]
+    ) -> Optional[Tuple[nodes.NodeNG, Region]]:
+        """The entry of ``by_statement`` whose region is the innermost one around ``binding``,
+        if the value it binds is not manually scaled."""
+        value = bound_value(binding)
+        if value is None or self._manually_scaled(value):
+            return None
+        region = self.context.regions.region_at(binding)
+        return by_statement.get(region.node) if region is not None else None
+
+    def _plain_backwards(self, scope: nodes.NodeNG) -> List[Tuple[nodes.Call, nodes.NodeNG]]:
+        """Unscaled backwards and their tensors: ``loss.backward()`` or
+        ``torch.autograd.backward(loss)``, not of ``scaler.scale(loss)`` or a manually scaled
+        loss (wrappers take the loss as an argument: ``engine.backward(loss)``)."""
+        found = []
         for call in calls_in_order(scope):
             tensor = backpropagated_tensor(call, self.context.names)
             if tensor is not None and not self._manually_scaled(tensor):
-                return True
-        return False
+                found.append((call, tensor))
+        return found
 
     def _manually_scaled(self, tensor: nodes.NodeNG) -> bool:
         """``scaler.scale(loss)``, ``loss * loss_scale`` or ``loss * 1024.0``."""

@@ -617,3 +617,125 @@ class ClipsThroughAHelper:
         self._clip()
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+
+# ---- methods found in base classes of this module (mixins) ------------------------
+
+
+class ClipMixin:
+    max_norm = 1.0
+
+    def clip(self):
+        return nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+
+
+class MixinClipsScaledGrads(ClipMixin):
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        torch.autograd.backward(self.scaler.scale(loss))
+
+    def optimizer_step(self):
+        grad_norm = self.clip()  # AMP005
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return grad_norm
+
+
+class OverrideUnscalesFirst(MixinClipsScaledGrads):
+    def optimizer_step(self):
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = self.clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return grad_norm
+
+
+class LoggingMixin:
+    def log_grad_norm(self):
+        norms = [p.grad.norm() for p in self.model.parameters() if p.grad is not None]
+        return torch.stack(norms).norm()
+
+
+class GrandparentClipsThroughTwoMixins(LoggingMixin, MixinClipsScaledGrads):
+    def train_step(self, batch):
+        self.scaler.scale(self.model(batch)).backward()
+        self.log_grad_norm()
+        self.clip()  # AMP005
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class UnscaleAndClipMixin:
+    def clip(self):
+        self.scaler.unscale_(self.optimizer)
+        return nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+
+
+class MixinUnscalesBeforeClipping(UnscaleAndClipMixin):
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def train_step(self, batch):
+        self.scaler.scale(self.model(batch)).backward()
+        self.clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class MixinMethodDoesNotClip(LoggingMixin):
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def train_step(self, batch):
+        self.scaler.scale(self.model(batch)).backward()
+        self.log_grad_norm()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class HookBase:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def before_clip(self):
+        pass
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self):
+        self.before_clip()
+        clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class SubclassHookUnscales(HookBase):
+    def before_clip(self):
+        self.scaler.unscale_(self.optimizer)
+
+
+class MixinNextToABaseFromElsewhere(ClipMixin, Accelerator):
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self):
+        self.clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()

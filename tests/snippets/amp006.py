@@ -498,3 +498,42 @@ def plain_step_after_a_new_plain_backward(model, batches, optimizer, scaler):
     optimizer.zero_grad()
     model(batches[1]).float().backward()
     optimizer.step()
+
+
+class ScaledBackwardBase:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+
+class PlainStepInTheSubclass(ScaledBackwardBase):
+    def optimizer_step(self):
+        self.optimizer.step()  # AMP006
+        self.optimizer.zero_grad()
+
+
+class UpdatesInTheBaseLoop:
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def fit(self, loader):
+        for batch in loader:
+            self.train_step(batch)
+            self.scaler.update()
+
+    def train_step(self, batch):
+        raise NotImplementedError
+
+
+class StepsInTheSubclass(UpdatesInTheBaseLoop):
+    def train_step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)

@@ -1,7 +1,9 @@
 """AMP010 scaler-dtype-mismatch, first half: fp16 autocast and backward with no GradScaler.
 
-This file must not mention a gradient scaler anywhere: the rule looks at the whole file.
-The other half (a scaler used with bf16) is in amp010_bf16_with_scaler.py.
+No gradient scaler is built where it could reach other functions (at module or class
+level, or handed on): the rule looks at the whole file. The cases at the end use one in
+their own function only. The other half (a scaler used with bf16) is in
+amp010_bf16_with_scaler.py.
 """
 import contextlib
 import functools
@@ -356,3 +358,127 @@ def eval_precision_by_choice(model, loader, half):
     eval_ctx = torch.autocast("cuda", dtype=torch.float16) if half else torch.autocast("cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         return [model(batch) for batch in loader]
+
+
+# ---- a function that scales one backward and runs another fp16 one plain ------------
+def smoke_loop_after_the_scaled_loop(model, small_model, loader, optimizer, small_opt, dtype):
+    scaler = torch.amp.GradScaler("cuda", enabled=(dtype == "float16"))
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            _, loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+            _, loss = small_model(batch)
+        loss.backward()
+        small_opt.step()
+
+
+def generator_step_skips_the_scaler(gen, disc, batch, opt_g, opt_d, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        d_loss = disc(batch, gen(batch).detach())
+    scaler.scale(d_loss).backward()
+    scaler.step(opt_d)
+    scaler.update()
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        g_loss = -disc(gen(batch)).mean()
+    torch.autograd.backward(g_loss)
+    opt_g.step()
+
+
+def aux_loss_backward_unscaled(model, batch, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+        loss, aux_loss = model(batch)
+    scaler.scale(loss).backward(retain_graph=True)
+    aux_loss.backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def scaled_loop_and_fp16_eval(model, loader, val_loader, optimizer, scaler):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    losses = []
+    for batch in val_loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            losses.append(model(batch).item())
+    return losses
+
+
+def scaler_or_plain_by_flag(model, batch, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+
+
+def scaler_path_continues_early(model, loader, optimizer, scaler, use_amp):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        if use_amp:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            continue
+        loss.backward()
+        optimizer.step()
+
+
+def plain_backward_by_conditional_expression(model, batch, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    scaler.scale(loss).backward() if scaler.is_enabled() else loss.backward()
+
+
+def fp32_probe_next_to_the_scaled_loop(model, probe, batch, optimizer, probe_opt, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    probe_loss = probe(batch.float()).mean()
+    probe_loss.backward()
+    probe_opt.step()
+
+
+def bf16_region_with_plain_backward(model, aux_model, batch, optimizer, aux_opt, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        aux_loss = aux_model(batch)
+    aux_loss.backward()
+    aux_opt.step()
+
+
+def loss_scaled_inside_the_region(model, batch, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = scaler.scale(model(batch))
+    loss.backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def scaled_alias_backward(model, batch, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(batch)
+    to_backprop = scaler.scale(loss)
+    to_backprop.backward()
+    scaler.step(optimizer)
+    scaler.update()
