@@ -9,7 +9,8 @@ linear/conv and ``nn.Linear``/``nn.Conv*`` modules produce the region's dtype; o
 autocast's fp32 list produce fp32 — per device, from PyTorch's published lists; a region
 enabled by a flag counts as on, so kinds describe the run with mixed precision on).
 Knowledge flows through names (per function, the assignments that reach the use),
-``self.<x>`` attributes (when every assignment in the class agrees), tuple
+``self.<x>`` attributes (when every assignment in the class agrees; a
+``self.register_buffer("x", value)`` is one), tuple
 unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
 indexing, dtype-preserving methods and the return values of the module's functions. A
@@ -88,7 +89,7 @@ PRESERVING: FrozenSet[str] = frozenset(
     cuda cpu pin_memory requires_grad_ add add_ sub sub_ mul mul_ div div_ maximum minimum
     max min amax amin cat stack concat mean var std nanmean median logsumexp interpolate
     avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d
-    adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle""".split()
+    adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle Parameter""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -248,8 +249,15 @@ class Dtypes:
         if isinstance(expr, nodes.Attribute) and expr.attrname in ("T", "mT", "H", "data", "grad"):
             return self._of(expr.expr, depth)
         if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            # ``self.model`` after ``self.model = model.half()``: every method must agree.
-            kinds = {self._of(value, depth) for value in self.names.self_attribute_values(expr)}
+            # ``self.model`` after ``self.model = model.half()``: every method must agree. In
+            # ``self.queue = F.normalize(self.queue)`` the right-hand ``self.queue`` is the
+            # earlier value, as for names.
+            statement = expr.statement()
+            kinds = {
+                self._of(value, depth)
+                for value in self.names.self_attribute_values(expr)
+                if value is None or value.statement() is not statement
+            }
             return kinds.pop() if len(kinds) == 1 else None
         if isinstance(expr, nodes.IfExp):
             kinds = {self._of(expr.body, depth), self._of(expr.orelse, depth)}

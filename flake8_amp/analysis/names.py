@@ -34,6 +34,9 @@ _PARTIAL = frozenset({"functools.partial"})
 #: ``nn.Module`` methods that return the module itself.
 _RETURNS_SELF = frozenset({"to", "cuda", "cpu", "train", "eval", "requires_grad_", "share_memory"})
 
+#: ``nn.Module`` methods that bind ``self.<name>`` to a value: (method, value's keyword).
+REGISTER_METHODS = {"register_buffer": "tensor", "register_parameter": "param"}
+
 #: How many alias hops are followed before giving up (``a = b``, ``b = c``...).
 _MAX_DEPTH = 8
 
@@ -308,9 +311,10 @@ class Names:
 
     def bound_values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """What a variable (:meth:`assigned_values`) or a ``self.<x>`` attribute (in any
-        method of its class) is assigned; also ``obj.<x>`` for an object of a class of this
-        module (``model.head`` after ``model = Net()`` or ``model: Net``) whose ``<x>`` only
-        its own methods assign. None for other expressions or unknown bindings."""
+        method of its class, also by ``register_buffer("x", value)``) is assigned; also
+        ``obj.<x>`` for an object of a class of this module (``model.head`` after ``model =
+        Net()`` or ``model: Net``) whose ``<x>`` only its own methods assign. None for other
+        expressions or unknown bindings."""
         if isinstance(expr, nodes.Name):
             return self.assigned_values(expr)
         if not isinstance(expr, nodes.Attribute):
@@ -454,7 +458,8 @@ class Names:
         return None
 
     def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
-        """Values assigned to ``self.<attr>`` anywhere in the enclosing class's methods."""
+        """Values assigned (or registered as a buffer or parameter) to ``self.<attr>``
+        anywhere in the enclosing class's methods."""
         classdef = enclosing_class(attribute)
         if classdef is None:
             return []
@@ -468,21 +473,37 @@ class Names:
 
     @functools.cached_property
     def _attributes_set_from_outside(self) -> FrozenSet[str]:
-        """Attribute names assigned on objects other than ``self`` (``backbone.fc = ...``)."""
-        return frozenset(
+        """Attribute names assigned on objects other than ``self`` (``backbone.fc = ...``,
+        ``backbone.register_buffer("fc", ...)``)."""
+        assigned = {
             target.attrname
             for target in self.context.module.nodes_of_class(nodes.AssignAttr)
             if not is_self(target.expr)
-        )
+        }
+        registered = {
+            registration[0]
+            for name in REGISTER_METHODS
+            for call in self.calls_by_name.get(name, ())
+            for registration in [registered_attribute(call)]
+            if registration is not None and not is_self(call.func.expr)
+        }
+        return frozenset(assigned | registered)
 
-    @staticmethod
-    def _collect_self_attributes(classdef: nodes.ClassDef) -> Dict[str, List[nodes.NodeNG]]:
+    def _collect_self_attributes(self, classdef: nodes.ClassDef) -> Dict[str, List[nodes.NodeNG]]:
+        """``self.<x> = value`` and ``self.register_buffer("x", value)`` (a buffer or
+        parameter is read back as ``self.x``) in the class's own methods."""
         found: Dict[str, List[nodes.NodeNG]] = {}
-        for method in classdef.mymethods():
+        methods = set(classdef.mymethods())
+        for method in methods:
             for target in method.nodes_of_class(nodes.AssignAttr):
                 if is_self(target.expr) and target.frame() is method:
                     value = assigned_value(target)
                     found.setdefault(target.attrname, []).append(value)
+        for name in REGISTER_METHODS:
+            for call in self.calls_by_name.get(name, ()):
+                registration = registered_attribute(call)
+                if registration is not None and call.frame() in methods and is_self(call.func.expr):
+                    found.setdefault(registration[0], []).append(registration[1])
         return found
 
     # -- calls -------------------------------------------------------------------------
@@ -637,6 +658,19 @@ def _binding_run_by(statement: nodes.NodeNG, by_statement: Dict) -> Optional[nod
             if found is not None:
                 return found
     return None
+
+
+def registered_attribute(call: nodes.Call) -> Optional[Tuple[str, nodes.NodeNG]]:
+    """``("queue", value)`` for ``m.register_buffer("queue", value)`` (or
+    ``register_parameter``): afterwards ``m.queue`` is ``value``. None for other calls."""
+    method, receiver = method_call(call)
+    if method not in REGISTER_METHODS:
+        return None
+    name = call_argument(call, 0, "name")
+    value = call_argument(call, 1, REGISTER_METHODS[method])
+    if not isinstance(name, nodes.Const) or not isinstance(name.value, str) or value is None:
+        return None
+    return name.value, value
 
 
 def method_call(call: nodes.Call) -> Tuple[str, Optional[nodes.NodeNG]]:

@@ -289,3 +289,34 @@ def replaced_projection(v1):
     with torch.autocast("cuda", dtype=torch.float16):
         z = model.proj(v1)
         return z.mean(0)
+
+
+# ---- buffers registered by name ----------------------------------------------------------
+class HalfMemoryBank(nn.Module):
+    def __init__(self, size, dim):
+        super().__init__()
+        self.register_buffer("bank", torch.zeros(size, dim, dtype=torch.float16))
+
+    def forward(self, x):
+        return x - self.bank.mean(0)  # AMP004
+
+
+class Fp32MemoryBank(nn.Module):
+    def __init__(self, size, dim):
+        super().__init__()
+        self.register_buffer("bank", torch.zeros(size, dim))
+
+    def forward(self, x):
+        return x - self.bank.mean(0)
+
+
+class HalfMemoryBankStats(nn.Module):
+    """A statistic under no_grad: pure low precision there is a choice (see the rule)."""
+
+    def __init__(self, size, dim):
+        super().__init__()
+        self.register_buffer("bank", torch.zeros(size, dim, dtype=torch.float16))
+
+    @torch.no_grad()
+    def bank_norm(self):
+        return self.bank.norm(dim=1).mean().item()

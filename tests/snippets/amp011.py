@@ -314,3 +314,79 @@ class RestoredTrainer:
 
     def build_optimizer(self):
         return torch.optim.Adam(self.model.parameters(), lr=1e-3)
+
+
+# ---- buffers and parameters registered by name: ``self.<name>`` is the registered value ----
+class HalfNegativeQueue(nn.Module):
+    def __init__(self, dim, size):
+        super().__init__()
+        self.register_buffer("queue", torch.randn(dim, size, dtype=torch.float16))
+        self.queue = F.normalize(self.queue, dim=0)  # AMP011
+
+
+class HalfRegisteredScale(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.register_parameter("scale", nn.Parameter(torch.ones(dim, dtype=torch.half)))
+
+    def forward(self, x):
+        return x.half() / (self.scale + 1e-8)  # AMP011
+
+
+class HalfBufferByKeyword(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.register_buffer(name="running_var", tensor=torch.ones(dim, dtype=torch.float16))
+
+    def forward(self, x):
+        return x / torch.sqrt(self.running_var + 1e-10)  # AMP011
+
+
+class Fp32NegativeQueue(nn.Module):
+    """Registered fp32; a later ``model.half()`` is not followed into the buffer."""
+
+    def __init__(self, dim, size):
+        super().__init__()
+        self.register_buffer("queue", torch.randn(dim, size))
+        self.queue = F.normalize(self.queue, dim=0)
+
+
+class HalfQueueNormalizedInFp32(nn.Module):
+    def __init__(self, dim, size):
+        super().__init__()
+        self.register_buffer("queue", torch.randn(dim, size, dtype=torch.float16))
+        self.queue = F.normalize(self.queue.float(), dim=0)
+
+
+class HalfQueueSafeEps(nn.Module):
+    def __init__(self, dim, size):
+        super().__init__()
+        self.register_buffer("queue", torch.randn(dim, size, dtype=torch.float16))
+        self.queue = F.normalize(self.queue, dim=0, eps=1e-4)
+
+
+class QueueRegisteredTwice(nn.Module):
+    """Registered fp16 in one method and fp32 in another: its dtype is not known."""
+
+    def __init__(self, dim, size):
+        super().__init__()
+        self.register_buffer("queue", torch.randn(dim, size, dtype=torch.float16))
+
+    def reset(self, dim, size):
+        self.register_buffer("queue", torch.randn(dim, size))
+
+    def scores(self, q):
+        return q @ self.queue / (self.queue.norm() + 1e-8)
+
+
+class HalfOffset(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.register_buffer("offset", torch.zeros(dim, dtype=torch.float16))
+
+
+def offset_replaced_from_outside(dim, x):
+    """Registered again from outside (fp32): what ``model.offset`` holds is not known."""
+    model = HalfOffset(dim)
+    model.register_buffer("offset", torch.zeros(dim))
+    return x / (model.offset + 1e-8)
