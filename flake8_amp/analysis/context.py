@@ -21,6 +21,9 @@ from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.names import (
+    assigned_value,
+    call_argument,
+    call_arguments,
     chain_root,
     code_frame,
     enclosing_class,
@@ -108,12 +111,43 @@ CHAIN_METHODS: FrozenSet[str] = frozenset(
 
 COMPREHENSIONS = (nodes.ListComp, nodes.SetComp, nodes.DictComp, nodes.GeneratorExp)
 
+#: Methods returning a module's parameters.
+PARAMETER_METHODS: FrozenSet[str] = frozenset({"parameters", "named_parameters"})
+#: Calls passing the parameters they are given on (``filter`` a part, ``dict`` as a group).
+PARAMETER_PASSING: FrozenSet[str] = frozenset(
+    {"list", "tuple", "filter", "dict", "itertools.chain"}
+)
+#: In the name of a wrapper that steps fp32 master copies of fp16 parameters instead of
+#: the parameters themselves (apex's ``FP16_Optimizer``, fairseq's ``FP16Optimizer``,
+#: Megatron's ``Float16OptimizerWithFloat16Params``, ``MixedPrecisionOptimizer``), lower
+#: case without underscores.
+MASTER_WEIGHT_MARKS: Tuple[str, ...] = ("fp16", "float16", "half", "master", "mixedprecision")
+#: How many names and wrappers the parameters of an optimizer are followed through.
+_MAX_PARAMETER_HOPS = 6
+
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
 
 def name_words(name: str) -> List[str]:
     """``export_onnx`` -> [export, onnx]; ``ONNXExporter`` -> [onnx, exporter]."""
     return [word.lower() for word in _WORD.findall(name)]
+
+
+def is_optimizer_class(qualname: str) -> bool:
+    """``torch.optim.AdamW`` and the other ``torch.optim`` optimizers (not its schedulers
+    or SWA helpers)."""
+    return qualname.startswith("torch.optim.") and not any(
+        part in qualname for part in ("lr_scheduler", "swa_utils")
+    )
+
+
+def parameters_receiver(expr: Optional[nodes.NodeNG]) -> Optional[nodes.NodeNG]:
+    """``m`` for ``m.parameters()`` / ``m.named_parameters()``; None otherwise."""
+    if isinstance(expr, nodes.Call):
+        method, receiver = method_call(expr)
+        if method in PARAMETER_METHODS:
+            return receiver
+    return None
 
 
 def named_for_training(name: str) -> bool:
@@ -267,6 +301,154 @@ class GradContext:
         ``train_one_epoch(m, ...)``, ``AdamW(m.parameters())``."""
         return self._freezing(scope)[1]
 
+    def builds_optimizer(self, call: nodes.Call) -> bool:
+        """``call`` builds a ``torch.optim`` optimizer (:func:`is_optimizer_class`)."""
+        callee = self.names.callee(call)
+        return callee is not None and not callee.instance and is_optimizer_class(callee.qualname)
+
+    def _trained_arguments(self, call: nodes.Call) -> Iterator[str]:
+        """Objects ``call`` trains: the modules a ``torch.optim`` optimizer it builds steps
+        (:meth:`optimized_modules`), ``m`` in any call given ``m.parameters()``
+        (``optimizer_cls(m.parameters())``) but one only passing them on
+        (``filter(fn, m.parameters())``: what receives that decides), the arguments of a
+        call named for training (``train_one_epoch(m, loader)``)."""
+        if self.builds_optimizer(call):
+            stepped = self.optimized_modules(call, frozen_too=False)
+            yield from (object_key(module) for module in stepped)
+        if self._passing(call) is not None:
+            return
+        training = named_for_training(simple_name(call.func))
+        for arg in call.args:
+            if training or parameters_receiver(arg) is not None:
+                yield object_key(_receiver_or_itself(arg))
+
+    def optimized_modules(self, call: nodes.Call, frozen_too: bool = True) -> List[nodes.NodeNG]:
+        """The modules whose own parameters the optimizer that ``call`` builds steps (its
+        ``params`` argument, see :meth:`parameter_owners`); none when the optimizer is
+        handed to a wrapper that steps fp32 master copies instead (``FP16_Optimizer(opt)``).
+        ``frozen_too=False`` leaves out parameters picked by ``requires_grad``
+        (``filter(lambda p: p.requires_grad, m.parameters())`` steps none that are frozen)."""
+        callee = self.names.callee(call)
+        params = (
+            callee.argument(0, "params") if callee is not None else call_argument(call, 0, "params")
+        )
+        owners = self.parameter_owners(params, frozen_too)
+        if owners and self._wrapped_for_master_weights(call):
+            return []
+        return owners
+
+    def parameter_owners(
+        self, params: Optional[nodes.NodeNG], frozen_too: bool = True, _hops: int = 0
+    ) -> List[nodes.NodeNG]:
+        """The modules whose own parameters ``params`` (what an optimizer is given) holds, as
+        expressions: ``m`` for ``m.parameters()`` / ``m.named_parameters()`` (``m`` may be a
+        chain: ``enc.get_input_embeddings()``), through the names bound to it where it is
+        used, ``list`` / ``filter`` / ``itertools.chain``, ``+``, comprehensions that keep each
+        parameter itself (``[p for n, p in m.named_parameters() if ...]``; ``[p.float() for
+        ...]`` builds fp32 copies, and a condition on ``dtype`` picks some) and param groups
+        (dicts with a ``"params"`` entry, in a list). Only what is known: possibly a part."""
+        if params is None or _hops > _MAX_PARAMETER_HOPS:
+            return []
+        hops = _hops + 1
+        receiver = parameters_receiver(params)
+        if receiver is not None:
+            return [receiver]
+        if isinstance(params, nodes.Name):
+            statement = params.statement()
+            return [
+                owner
+                for binding in self.names.reaching_bindings(params)
+                if binding.statement() is not statement
+                for owner in self.parameter_owners(assigned_value(binding), frozen_too, hops)
+            ]
+        if isinstance(params, (nodes.List, nodes.Tuple)):
+            return [
+                owner
+                for element in params.elts
+                for owner in self.parameter_owners(element, frozen_too, hops)
+            ]
+        if isinstance(params, nodes.Dict):
+            return [
+                owner
+                for key, value in params.items
+                if isinstance(key, nodes.Const) and key.value == "params"
+                for owner in self.parameter_owners(value, frozen_too, hops)
+            ]
+        if isinstance(params, nodes.BinOp) and params.op == "+":
+            return [
+                owner
+                for side in (params.left, params.right)
+                for owner in self.parameter_owners(side, frozen_too, hops)
+            ]
+        if isinstance(params, (nodes.ListComp, nodes.GeneratorExp)):
+            return self._comprehension_owners(params, frozen_too, hops)
+        if isinstance(params, nodes.Call):
+            return self._passed_owners(params, frozen_too, hops)
+        return []
+
+    def _comprehension_owners(
+        self, comprehension: nodes.NodeNG, frozen_too: bool, hops: int
+    ) -> List[nodes.NodeNG]:
+        """``[p for p in X if ...]`` / ``[p for n, p in X]``: the owners of X's parameters."""
+        if len(comprehension.generators) != 1 or not isinstance(comprehension.elt, nodes.Name):
+            return []
+        generator = comprehension.generators[0]
+        target = generator.target
+        targets = target.elts if isinstance(target, nodes.Tuple) else [target]
+        if not any(
+            isinstance(t, nodes.AssignName) and t.name == comprehension.elt.name for t in targets
+        ):
+            return []  # ``[p.float() for p in ...]`` builds new (fp32 master) tensors
+        if any(not _keeps(condition, frozen_too) for condition in generator.ifs):
+            return []
+        return self.parameter_owners(generator.iter, frozen_too, hops)
+
+    def _passed_owners(
+        self, call: nodes.Call, frozen_too: bool, hops: int
+    ) -> List[nodes.NodeNG]:
+        """``list(X)``, ``filter(fn, X)``, ``itertools.chain(X, Y)``, ``dict(params=X)``."""
+        name = self._passing(call)
+        if name == "dict":
+            return self.parameter_owners(keyword_value(call, "params"), frozen_too, hops)
+        if name == "filter":
+            if len(call.args) != 2 or not _keeps(call.args[0], frozen_too):
+                return []
+            return self.parameter_owners(call.args[1], frozen_too, hops)
+        if name is not None:
+            return [
+                owner for arg in call.args for owner in self.parameter_owners(arg, frozen_too, hops)
+            ]
+        return []
+
+    def _passing(self, call: nodes.Call) -> Optional[str]:
+        """The name of a call that passes the parameters it is given on (``list``,
+        ``filter``, ``itertools.chain``, ``dict``); None for other calls."""
+        func = call.func
+        builtin = isinstance(func, nodes.Name) and not self.names.bindings(func)
+        name = func.name if builtin else self.names.qualname(func)
+        return name if name in PARAMETER_PASSING else None
+
+    def _wrapped_for_master_weights(self, call: nodes.Call) -> bool:
+        """The optimizer ``call`` builds is handed, directly or by the name it is bound to in
+        its function, to a call named for fp16 master weights (``FP16_Optimizer(opt)``)."""
+        wrappers = []
+        consumer = call.parent.parent if isinstance(call.parent, nodes.Keyword) else call.parent
+        if isinstance(consumer, nodes.Call) and consumer.func is not call:
+            wrappers.append(consumer)
+        key = object_key(assign_target(call))
+        if key:
+            wrappers.extend(
+                node
+                for node in scope_nodes(code_frame(call))
+                if isinstance(node, nodes.Call)
+                and any(object_key(arg) == key for arg in call_arguments(node))
+            )
+        return any(
+            mark in simple_name(wrapper.func).lower().replace("_", "")
+            for wrapper in wrappers
+            for mark in MASTER_WEIGHT_MARKS
+        )
+
     def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str]]:
         """(frozen, trained) objects of ``scope``: ``m.train()`` undoes ``m.eval()`` but not
         ``m.requires_grad_(False)`` (LoRA freezes the base model and trains adapters in it);
@@ -284,11 +466,13 @@ class GradContext:
                         }
                     )
                 elif isinstance(node, nodes.Call) and _freezing_helper(node):
-                    without_grad.update(object_key(_parameters_owner(arg)) for arg in node.args)
+                    without_grad.update(
+                        object_key(_receiver_or_itself(arg)) for arg in node.args
+                    )
                 elif _chain_call(node) and node.func.attrname == "train":
                     in_train_mode.add(node.func.expr.as_string())
                 elif isinstance(node, nodes.Call):
-                    trained.update(_trained_arguments(node))
+                    trained.update(self._trained_arguments(node))
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
                     without_grad.add(node.iter.func.expr.as_string())
             frozen_objects = (without_grad - trained) | (in_eval - trained - in_train_mode)
@@ -428,28 +612,25 @@ def _freezing_helper(call: nodes.Call) -> bool:
     return {"requires", "grad"} <= set(words) and any(_is_false(flag) for flag in flags)
 
 
-def _trained_arguments(call: nodes.Call) -> Iterator[str]:
-    """Objects ``call`` trains: ``m`` in ``optimizer_cls(m.parameters())`` or in a call
-    named for training (``train_one_epoch(m, loader)``)."""
-    training = named_for_training(simple_name(call.func))
-    for arg in call.args:
-        owner = _parameters_owner(arg)
-        if owner is not arg or training:
-            yield object_key(owner)
-
-
-def _parameters_owner(arg: nodes.NodeNG) -> nodes.NodeNG:
+def _receiver_or_itself(arg: nodes.NodeNG) -> nodes.NodeNG:
     """``m`` for ``m.parameters()``; the argument itself otherwise."""
-    if isinstance(arg, nodes.Call):
-        method, receiver = method_call(arg)
-        if method in ("parameters", "named_parameters"):
-            return receiver
-    return arg
+    receiver = parameters_receiver(arg)
+    return receiver if receiver is not None else arg
+
+
+def _keeps(selection: nodes.NodeNG, frozen_too: bool) -> bool:
+    """A condition picking parameters keeps the modules' own ones for the question asked:
+    not one on ``dtype`` (``p.dtype == torch.float32`` picks by the dtype asked about), nor,
+    unless ``frozen_too``, one on ``requires_grad``."""
+    words = {sub.attrname for sub in selection.nodes_of_class(nodes.Attribute)}
+    if words & {"dtype", "is_floating_point"}:
+        return False
+    return frozen_too or "requires_grad" not in words
 
 
 def _freezes_parameters(loop: nodes.For) -> bool:
     """``for p in m.parameters(): p.requires_grad = False`` (or ``p.requires_grad_(False)``)."""
-    if _parameters_owner(loop.iter) is loop.iter:
+    if parameters_receiver(loop.iter) is None:
         return False
     for statement in loop.body:
         if isinstance(statement, nodes.Assign) and _is_false(statement.value):

@@ -19,7 +19,7 @@ generic model call is unknown.
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Optional
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from astroid import nodes
 
@@ -27,6 +27,8 @@ from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import (
     Callee,
     assigned_value,
+    calls_in_order,
+    code_frame,
     is_self,
     keyword_value,
     last_part,
@@ -195,6 +197,48 @@ class Dtypes:
             if kind is not None:
                 return kind
         return None
+
+    def module_kind_at(
+        self, module: nodes.NodeNG, node: nodes.NodeNG
+    ) -> Tuple[Optional[str], Optional[nodes.NodeNG]]:
+        """``(kind, what decided it)`` for the parameters of ``module`` (a module expression,
+        possibly a chain: ``model.head``, ``enc.get_input_embeddings()``) when ``node`` runs:
+        the last cast before ``node`` in its function of ``module`` or of a module it is
+        part of (modules cast in place: ``model.half()`` casts ``model.head``; a later
+        ``model.float()`` undoes it; one behind a flag, ``if args.fp16: model.half()``,
+        counts: kinds describe the run with that mode on), else the kind of the first of
+        them whose dtype is known (``model = Net().half()``, ``self.model`` after
+        ``self.model = m.half()``; for a name, the value it is bound to decided)."""
+        parts = _module_parts(module)
+        texts = {part.as_string() for part in parts}
+        decided: Tuple[Optional[str], Optional[nodes.NodeNG]] = (None, None)
+        for call in calls_in_order(code_frame(node)):
+            if call is node:
+                break
+            receiver = method_call(call)[1]
+            if receiver is not None and receiver.as_string() in texts:
+                kind = self.cast_target(call)
+                if kind is not None:
+                    decided = (kind, call)
+        if decided[1] is not None:
+            return decided
+        for part in parts:
+            kind = self.of(part)
+            if kind is not None:
+                return kind, self._bound_value(part)
+        return None, None
+
+    def _bound_value(self, expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+        """The one value assigned to the name ``expr`` that reaches it, if so."""
+        if not isinstance(expr, nodes.Name):
+            return None
+        statement = expr.statement()
+        values = [
+            assigned_value(binding)
+            for binding in self.names.reaching_bindings(expr)
+            if binding.statement() is not statement
+        ]
+        return values[0] if len(values) == 1 else None
 
     def of(self, expr: nodes.NodeNG) -> Optional[str]:
         """The dtype kind of ``expr``'s value, or None when it is not known."""
@@ -425,6 +469,21 @@ class Dtypes:
         if autocast_fp32_op(op, region):
             return FP32
         return input_kind
+
+
+def _module_parts(module: nodes.NodeNG) -> List[nodes.NodeNG]:
+    """``module`` and the objects it is reached from, to its root: ``[a.b.c(), a.b, a]``."""
+    parts = [module]
+    while True:
+        current = parts[-1]
+        if isinstance(current, nodes.Attribute):
+            parts.append(current.expr)
+        elif isinstance(current, nodes.Call) and isinstance(current.func, nodes.Attribute):
+            parts.append(current.func.expr)
+        elif isinstance(current, nodes.Subscript):
+            parts.append(current.value)
+        else:
+            return parts
 
 
 def _is_shape(expr: nodes.NodeNG) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 from astroid import nodes
 from astroid.manager import AstroidManager
@@ -578,6 +578,24 @@ def _c3_merge(sequences: List[List[MroEntry]]) -> Optional[List[MroEntry]]:
 
 # -- small tree helpers shared by the analyses -------------------------------------------
 
+#: Nodes whose bodies run at another time: analyses of a function skip them.
+NESTED_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
+
+
+def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:
+    """Calls in ``node`` in evaluation order (inner before outer), skipping nested scopes."""
+    stack: List[Tuple[nodes.NodeNG, bool]] = [(node, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if expanded:
+            if isinstance(current, nodes.Call):
+                yield current
+            continue
+        stack.append((current, True))
+        for child in reversed(list(current.get_children())):
+            if not isinstance(child, NESTED_SCOPES):
+                stack.append((child, False))
+
 
 def _lookup(name: nodes.Name):
     """astroid's scope lookup. A few lookups (names in class-level decorators) consult
@@ -832,6 +850,13 @@ def call_argument(call: nodes.Call, position: int, name: str) -> Optional[nodes.
         if not isinstance(call.args[position], nodes.Starred):
             value = call.args[position]
     return value
+
+
+def call_arguments(call: nodes.Call) -> Iterator[nodes.NodeNG]:
+    """Every argument of ``call``, positional then keyword."""
+    yield from call.args
+    for keyword in call.keywords or ():
+        yield keyword.value
 
 
 def names_in(expr: Sequence[nodes.NodeNG]) -> List[str]:

@@ -25,9 +25,11 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 
 from astroid import nodes
 
-from flake8_amp.analysis.context import name_words
+from flake8_amp.analysis.context import is_optimizer_class, name_words
 from flake8_amp.analysis.names import (
     bound_value,
+    call_arguments,
+    calls_in_order,
     code_frame,
     enclosing_class,
     is_self,
@@ -62,8 +64,6 @@ _AMP_FLAG_WORDS = frozenset(
 )
 #: The condition key every amp/scaler flag shares (``use_amp``, ``args.fp16``, ``scaler``).
 AMP_CONDITION = "<amp enabled>"
-#: Nodes whose bodies run at another time: analyses of a function skip them.
-NESTED_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
 
 
 def expression_key(expr: nodes.NodeNG) -> Optional[str]:
@@ -165,21 +165,6 @@ def other_arm(branch: nodes.NodeNG, child: nodes.NodeNG) -> List[nodes.NodeNG]:
     if any(child is node for node in orelse):
         return body
     return []
-
-
-def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:
-    """Calls in ``node`` in evaluation order (inner before outer), skipping nested scopes."""
-    stack: List[Tuple[nodes.NodeNG, bool]] = [(node, False)]
-    while stack:
-        current, expanded = stack.pop()
-        if expanded:
-            if isinstance(current, nodes.Call):
-                yield current
-            continue
-        stack.append((current, True))
-        for child in reversed(list(current.get_children())):
-            if not isinstance(child, NESTED_SCOPES):
-                stack.append((child, False))
 
 
 class ScalerFlow:
@@ -391,9 +376,9 @@ class ScalerFlow:
             if method == "update":
                 return self._updated(states, phase=None)
             return states
-        if any(self.is_scaler(arg) for arg in _arguments(call)) or self._analysis.is_scaler_helper(
-            call
-        ):
+        if any(
+            self.is_scaler(arg) for arg in call_arguments(call)
+        ) or self._analysis.is_scaler_helper(call):
             return self._updated(states, phase=HELPED)
         return states
 
@@ -430,8 +415,7 @@ def is_optimizer(expr: nodes.NodeNG, names) -> bool:
     key = expression_key(expr)
     if key is None:
         return False
-    built_by = names.instance_class(expr) or ""
-    if built_by.startswith("torch.optim.") and "lr_scheduler" not in built_by:
+    if is_optimizer_class(names.instance_class(expr) or ""):
         return True
     words = name_words(key.rsplit(".", 1)[-1])
     if NOT_OPTIMIZER_WORDS.intersection(words):
@@ -491,12 +475,6 @@ def reaches_backward(node: nodes.NodeNG, names) -> bool:
                 if value is not None:
                     pending.append(value)
     return False
-
-
-def _arguments(call: nodes.Call) -> Iterator[nodes.NodeNG]:
-    yield from call.args
-    for keyword in call.keywords or ():
-        yield keyword.value
 
 
 class ScalerAnalysis:
@@ -598,7 +576,7 @@ class ScalerAnalysis:
         )
         return not any(
             method_call(call)[0] == "unscale_"
-            or any(expression_key(arg) == key for arg in _arguments(call))
+            or any(expression_key(arg) == key for arg in call_arguments(call))
             for call in calls
         )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from astroid import nodes
 
 from flake8_amp.analysis.context import (
@@ -13,7 +12,13 @@ from flake8_amp.analysis.context import (
     scope_nodes,
 )
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, LOW
-from flake8_amp.analysis.names import chain_root, code_frame, is_self, simple_name
+from flake8_amp.analysis.names import (
+    calls_in_order,
+    chain_root,
+    code_frame,
+    is_self,
+    simple_name,
+)
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
@@ -53,8 +58,25 @@ class ManualCast(Check):
             or grad.frozen(node)
             or grad.fed_to_inference(node)
             or grad.not_training_at(node)
-            or not grad.training_at(node)
+            or not (grad.training_at(node) or self._stepped_after(node))
         )
+
+    def _stepped_after(self, node: nodes.Call) -> bool:
+        """A ``torch.optim`` optimizer built later in the function steps the parameters this
+        cast made low precision: the cast is what decides their dtype there (the last cast
+        of the module or of one it is part of; ``model.float()`` in between undoes it)."""
+        grad, dtypes = self.context.grad, self.context.dtypes
+        top = _chain_top(node)
+        after = False
+        for call in calls_in_order(code_frame(node)):
+            after = after or call is top
+            if not after or not grad.builds_optimizer(call):
+                continue
+            for module in grad.optimized_modules(call):
+                decided_by = dtypes.module_kind_at(module, call)[1]
+                if decided_by is node or decided_by is top:
+                    return True
+        return False
 
     def _user_method(self, func: nodes.Attribute) -> bool:
         """The receiver is an object of a class defined here that has this method itself."""

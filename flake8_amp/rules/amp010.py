@@ -27,15 +27,15 @@ from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.constants import numeric_constant
-from flake8_amp.analysis.names import bound_value, conditional_in, names_in
-from flake8_amp.analysis.regions import BF16, FP16, Region
-from flake8_amp.analysis.scaler import (
+from flake8_amp.analysis.names import (
     NESTED_SCOPES,
-    backpropagated_tensor,
+    bound_value,
     calls_in_order,
-    reaches_backward,
-    scaler_analysis,
+    conditional_in,
+    names_in,
 )
+from flake8_amp.analysis.regions import BF16, FP16, Region
+from flake8_amp.analysis.scaler import backpropagated_tensor, reaches_backward, scaler_analysis
 from flake8_amp.engine import Check, mentions_autocast
 
 

@@ -3,9 +3,10 @@
 Reported where the dtype flow knows the values are fp16: ``x + 1e-8``, ``x.add(1e-8)``,
 ``x.clamp(min=1e-8)`` / ``clamp_min``, ``F.normalize(x)`` computed in fp16 (its default eps is
 1e-12; CUDA autocast runs it in fp32); and Adam-family optimizers whose ``eps`` (given
-or default) is that small, built over ``model.parameters()`` of a model whose last cast
-before it in the same function is to fp16. bf16 shares fp32's exponent range, so 1e-8 is
-fine there.
+or default) is that small, built over parameters that are fp16 there: every module the
+optimizer is known to step (``GradContext.optimized_modules``) holds fp16 parameters by the
+cast in force (``Dtypes.module_kind_at``; a fp32 head beside an fp16 body is not known to
+be fine, so it is not reported). bf16 shares fp32's exponent range, so 1e-8 is fine there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from astroid import nodes
 from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.dtypes import FP16
 from flake8_amp.analysis.names import attribute_not_in, call_argument, method_call
-from flake8_amp.analysis.scaler import calls_in_order, expression_key
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
 from flake8_amp.engine import Check
 
@@ -134,48 +134,8 @@ class TinyEpsilon(Check):
         )
         if not _is_tiny(value):
             return
-        model = _parameters_owner(callee.argument(0, "params"), self.context.names)
-        if model is not None and self._cast_to_fp16(node, model):
+        dtypes = self.context.dtypes
+        modules = self.context.grad.optimized_modules(node)
+        if modules and all(dtypes.module_kind_at(module, node)[0] == FP16 for module in modules):
             label = f"{value:g}" if given is not None else f"{value:g} (the default eps)"
             self.report(node, value=label)
-
-    def _cast_to_fp16(self, node: nodes.Call, model: nodes.NodeNG) -> bool:
-        """``model`` holds an fp16 model here: bound to a cast, or cast in place earlier in
-        this scope by the last cast before ``node`` (not one after it, e.g. a checkpoint
-        compaction, nor one that ``model.float()`` undid)."""
-        if self.context.dtypes.of(model) == FP16:
-            return True
-        key = expression_key(model)
-        if key is None:
-            return False
-        last_cast = None
-        for call in calls_in_order(node.scope()):
-            if call is node:
-                break
-            receiver = method_call(call)[1]
-            if receiver is not None and expression_key(receiver) == key:
-                last_cast = self.context.dtypes.cast_target(call) or last_cast
-        return last_cast == FP16
-
-
-def _parameters_owner(params: Optional[nodes.NodeNG], names) -> Optional[nodes.NodeNG]:
-    """``model`` in ``model.parameters()``, ``[p for p in model.parameters() if ...]``,
-    ``filter(fn, model.parameters())``, ``list(model.parameters())``, or a name bound to one."""
-    if isinstance(params, nodes.Name):
-        values = names.assigned_values(params) or []
-        return _parameters_owner(values[0], names) if len(values) == 1 else None
-    if isinstance(params, (nodes.ListComp, nodes.GeneratorExp)):
-        generator = params.generators[0]
-        same = isinstance(params.elt, nodes.Name) and isinstance(generator.target, nodes.AssignName)
-        if not same or params.elt.name != generator.target.name:
-            return None  # ``[p.float() for p in ...]`` builds new (fp32 master) tensors
-        return _parameters_owner(generator.iter, names)
-    if not isinstance(params, nodes.Call):
-        return None
-    method, receiver = method_call(params)
-    if method == "parameters":
-        return receiver
-    func = params.func
-    if isinstance(func, nodes.Name) and func.name in ("filter", "list") and params.args:
-        return _parameters_owner(params.args[-1], names)
-    return None

@@ -603,3 +603,77 @@ class HalfModelTrainer:
     def train_step(self, x, y):
         self.model(x, y).backward()
         self.optimizer.step()
+
+
+# ---- a cast then stepped by an optimizer built after it in the same function ------------
+def build_model_and_optimizer(model, weight_decay):
+    model.half()  # AMP001
+    no_decay = ("bias", "LayerNorm.weight")
+    grouped = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)]},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)]},
+    ]
+    return model, torch.optim.AdamW(grouped, lr=1e-4, weight_decay=weight_decay)
+
+
+def build_bound_half_model(Net):
+    model = Net().cuda().half()  # AMP001
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def setup_trainable_embeddings(text_encoder, device):
+    text_encoder.to(device, dtype=torch.float16)  # AMP001
+    params = filter(lambda p: p.requires_grad, text_encoder.get_input_embeddings().parameters())
+    return torch.optim.AdamW(params, lr=5e-4)
+
+
+def setup_half_head(model):
+    model.half()  # AMP001
+    return torch.optim.Adam(model.head.parameters())
+
+
+def build_with_cast_undone(model):
+    model.half()
+    model.float()
+    return torch.optim.AdamW(model.parameters())
+
+
+def build_beside_an_export_copy(model, path):
+    exported = copy.deepcopy(model).half()
+    optimizer = torch.optim.AdamW(model.parameters())
+    return exported, optimizer
+
+
+def build_student_beside_half_teacher(teacher, student):
+    teacher.half()
+    return torch.optim.AdamW(student.parameters())
+
+
+def build_optimizer_then_compact(model, path):
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.half()
+    return optimizer
+
+
+def build_with_fp32_master_weights(model, FP16_Optimizer):
+    model.half()
+    return FP16_Optimizer(torch.optim.Adam(model.parameters()), dynamic_loss_scale=True)
+
+
+def build_with_fp32_master_copies(model):
+    model.half()
+    master = [p.detach().clone().float() for p in model.parameters()]
+    return torch.optim.AdamW(master)
+
+
+def build_adapters_on_frozen_half_base(model, inject_lora):
+    model.requires_grad_(False)
+    model.half()
+    model = inject_lora(model)
+    return torch.optim.AdamW(filter(lambda p: p.requires_grad, model.parameters()))
+
+
+def build_with_fp16_flag(model, args):
+    if args.fp16:
+        model.half()
+    return torch.optim.AdamW(model.parameters())

@@ -1,4 +1,7 @@
 """AMP011 tiny-epsilon: epsilons below fp16's smallest subnormal (5.96e-8) on fp16 values."""
+import copy
+import itertools
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -390,3 +393,92 @@ def offset_replaced_from_outside(dim, x):
     model = HalfOffset(dim)
     model.register_buffer("offset", torch.zeros(dim))
     return x / (model.offset + 1e-8)
+
+
+# ---- the modules an optimizer steps: names, chains, param groups --------------------------
+def adamw_over_param_groups(model, weight_decay):
+    model.half()
+    no_decay = ("bias", "LayerNorm.weight")
+    grouped = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)]},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(grouped, lr=1e-4, eps=1e-8)  # AMP011
+
+
+def adamw_over_input_embeddings(text_encoder, device):
+    text_encoder.to(device, dtype=torch.float16)
+    params = text_encoder.get_input_embeddings().parameters()
+    return torch.optim.AdamW(params, lr=5e-4, eps=1e-08)  # AMP011
+
+
+def adam_over_head_by_keyword(model):
+    model.half()
+    return torch.optim.Adam(params=model.head.parameters(), lr=1e-3)  # AMP011
+
+
+def adam_over_chained_modules(encoder, decoder):
+    encoder.half()
+    decoder.half()
+    return torch.optim.Adam(itertools.chain(encoder.parameters(), decoder.parameters()))  # AMP011
+
+
+def adam_over_dict_group(model):
+    model = model.half()
+    return torch.optim.Adam([dict(params=model.parameters(), lr=1e-4)])  # AMP011
+
+
+def adamw_over_fp32_master_copies(model):
+    model.half()
+    master = [p.detach().clone().float() for p in model.parameters()]
+    return torch.optim.AdamW(master, lr=1e-4, eps=1e-8)
+
+
+def adamw_after_the_model_is_restored(model):
+    model.half()
+    model.float()
+    grouped = [{"params": [p for n, p in model.named_parameters()]}]
+    return torch.optim.AdamW(grouped, eps=1e-8)
+
+
+def adam_over_head_restored_to_fp32(model):
+    model.half()
+    model.head.float()
+    return torch.optim.Adam(model.head.parameters())
+
+
+def adam_beside_a_half_export_copy(model):
+    exported = copy.deepcopy(model).half()
+    optimizer = torch.optim.Adam(model.parameters())
+    return exported, optimizer
+
+
+def adam_over_student_beside_half_teacher(teacher, student):
+    teacher.half()
+    return torch.optim.Adam([p for p in student.parameters() if p.requires_grad])
+
+
+def adamw_over_bf16_groups(model):
+    model.bfloat16()
+    grouped = [{"params": [p for n, p in model.named_parameters()], "weight_decay": 0.01}]
+    return torch.optim.AdamW(grouped, lr=1e-4, eps=1e-8)
+
+
+def adam_wrapped_for_fp32_master_weights(model, FP16_Optimizer):
+    model.half()
+    optimizer = torch.optim.Adam(model.parameters())
+    return FP16_Optimizer(optimizer, dynamic_loss_scale=True)
+
+
+def adam_over_fp16_body_and_fp32_head(model, head, half_weights):
+    """The head's dtype is not known: not every stepped parameter is known to be fp16."""
+    if half_weights:
+        model = model.half()
+    params = list(model.parameters()) + list(head.parameters())
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def adam_over_fp32_parameters_picked_by_dtype(model):
+    model.half()
+    fp32 = [p for p in model.parameters() if p.dtype == torch.float32]
+    return torch.optim.Adam(fp32, eps=1e-8)
