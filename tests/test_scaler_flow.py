@@ -47,8 +47,29 @@ def test_scalers_are_built_or_used_as_scalers():
             transform.step()
         """)
     assert set(flow.scalers) == {"local", "param_scaler"}
-    assert flow.scalers["local"].surely_enabled
-    assert not flow.scalers["param_scaler"].surely_enabled  # built elsewhere: unknown
+    assert flow.scalers["local"].enabled_constructions
+    assert not flow.scalers["param_scaler"].enabled_constructions  # no call site: unknown
+
+
+def test_a_parameter_scaler_is_built_where_its_call_sites_pass_it():
+    module = module_of("""
+        import torch
+        def epoch(model, batch, scaler, helper_scaler):
+            scaler.scale(model(batch)).backward()
+            helper_scaler.update()
+        def main(model, batch, use_amp):
+            grad_scaler = torch.amp.GradScaler("cuda")
+            flagged = torch.amp.GradScaler("cuda", enabled=use_amp)
+            epoch(model, batch, grad_scaler, grad_scaler)
+            epoch(model, batch, scaler=flagged, helper_scaler=None)
+        """)
+    epoch = next(f for f in module.nodes_of_class(nodes.FunctionDef) if f.name == "epoch")
+    flow = scaler_analysis(Context(module)).flow(epoch)
+    scaler = flow.scalers["scaler"]
+    assert [c.lineno for c in scaler.constructions] == [7, 8]
+    assert [c.lineno for c in scaler.enabled_constructions] == [7]
+    # passed, but neither used to scale nor unscale here: not taken for a scaler by that
+    assert "helper_scaler" not in flow.scalers
 
 
 def test_scalers_of_other_libraries_are_not_grad_scalers():
@@ -72,7 +93,7 @@ def test_self_attribute_scaler_from_init():
                 self.scaler.step(opt)
         """)
     assert list(flow.scalers) == ["self.scaler"]
-    assert flow.scalers["self.scaler"].surely_enabled
+    assert flow.scalers["self.scaler"].enabled_constructions
 
 
 @pytest.mark.parametrize(
@@ -88,7 +109,7 @@ def test_enabled_argument(enabled, counted, surely):
         """)
     assert ("scaler" in flow.scalers) is counted
     if counted:
-        assert flow.scalers["scaler"].surely_enabled is surely
+        assert bool(flow.scalers["scaler"].enabled_constructions) is surely
 
 
 def test_phases_follow_backward_unscale_and_step():

@@ -55,6 +55,8 @@ SCALED = "scaled"  # a scaled backward ran; gradients are multiplied by the loss
 UNSCALED = "unscaled"  # scaler.unscale_(optimizer) ran after it
 HELPED = "helped"  # a helper received the scaler: it may have unscaled/stepped/updated
 
+#: How many names or call sites a scaler is followed through to its construction.
+_MAX_PASSING_HOPS = 3
 #: How many ``return`` hops a scaler built in a factory function is followed through.
 _MAX_RETURN_HOPS = 3
 #: Above this many distinct path states, conditions are forgotten (paths still merge).
@@ -136,15 +138,14 @@ class Scaler:
     """A gradient scaler known by the key it is used through (``scaler``, ``self.scaler``)."""
 
     key: str
-    #: The ``GradScaler(...)`` calls that build it (same function, class or module).
+    #: The ``GradScaler(...)`` calls that build it (same function, class or module, or
+    #: passed by the call sites of the function it is a parameter of).
     constructions: Tuple[nodes.Call, ...]
 
     @property
-    def surely_enabled(self) -> bool:
-        """Built here, and every construction is enabled (no ``enabled=`` or ``enabled=True``)."""
-        return bool(self.constructions) and all(
-            _literal_enabled(call) is True for call in self.constructions
-        )
+    def enabled_constructions(self) -> Tuple[nodes.Call, ...]:
+        """The constructions built enabled (no ``enabled=``, or ``enabled=True``)."""
+        return tuple(call for call in self.constructions if _literal_enabled(call) is True)
 
 
 def _literal_enabled(call: nodes.Call) -> Optional[bool]:
@@ -511,7 +512,10 @@ class ScalerAnalysis:
                 used_as_scaler.add(key)
         scalers = {}
         for key, receiver in receivers.items():
-            constructions = self.constructions(receiver)
+            # what call sites pass says which scaler a parameter used to scale or unscale
+            # is; it does not make one used otherwise (``step(opt, scaler)`` in a helper
+            # that clips first is judged where it is called)
+            constructions = self.constructions(receiver, passed=key in used_as_scaler)
             if not constructions and (
                 key not in used_as_scaler or self.names.instance_class(receiver)
             ):
@@ -521,14 +525,24 @@ class ScalerAnalysis:
             scalers[key] = Scaler(key, tuple(constructions))
         return scalers
 
-    def constructions(self, expr: nodes.NodeNG) -> List[nodes.Call]:
-        """The ``GradScaler(...)`` calls whose result ``expr`` (a name or ``self.x``) holds."""
-        values = self.names.bound_values(expr) or []
-        return [
-            value
-            for value in values
-            if isinstance(value, nodes.Call) and self.names.callee_qualname(value) in GRAD_SCALERS
-        ]
+    def constructions(
+        self, expr: nodes.NodeNG, passed: bool = True, _hops: int = 0
+    ) -> List[nodes.Call]:
+        """The ``GradScaler(...)`` calls whose result ``expr`` (a name or ``self.x``) holds,
+        through names bound to it; with ``passed``, for a parameter, those that its
+        function's call sites in this module pass (``train_epoch(..., scaler)`` called from
+        ``main`` after ``scaler = GradScaler("cuda")``)."""
+        values = self.names.bound_values(expr)
+        if values is None and passed and isinstance(expr, nodes.Name):
+            values = self.names.argument_values(expr)
+        found = []
+        for value in values or ():
+            if isinstance(value, nodes.Call):
+                if self.names.callee_qualname(value) in GRAD_SCALERS:
+                    found.append(value)
+            elif isinstance(value, nodes.Name) and _hops < _MAX_PASSING_HOPS:
+                found.extend(self.constructions(value, passed, _hops + 1))
+        return found
 
     def is_scaler_helper(self, call: nodes.Call) -> bool:
         """``call`` calls a function or method of this module that unscales, steps or updates

@@ -11,9 +11,12 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
   fp16 region of its own whose loss a plain backward backpropagates: every assignment of
   the name that reaches the backward is in the region, and the backward runs whatever the
   flags say (no ``if``/``else`` around it, not after ``if use_amp: ...; continue``);
-- a bf16 region in a function that scales its backward with a scaler that is built
-  enabled (no ``enabled=`` or ``enabled=True``: ``enabled=dtype == "float16"`` is fine),
-  when every function scaling a backward with that scaler runs bf16 regions only.
+- a ``GradScaler(...)`` built enabled (no ``enabled=`` or ``enabled=True``:
+  ``enabled=dtype == "float16"`` is fine) when every function scaling a backward with it
+  computes its loss in bf16 regions only: its own, and those of the module's functions
+  it calls for the loss (as for fp16); a function with none known keeps it silent. A
+  scaler parameter is built where its function's call sites here pass it
+  (``ScalerAnalysis.constructions``).
 Each finding sits on the line to change: the ``GradScaler(...)`` construction to delete for
 bf16; for fp16, the autocast expression that names the dtype (``torch.autocast(...)``, or
 the ``ctx = torch.autocast(...) if args.amp else nullcontext()`` that ``with ctx:`` uses).
@@ -51,9 +54,9 @@ class ScalerDtypeMismatch(Check):
 
     def __init__(self, context, findings):
         super().__init__(context, findings)
-        #: Each scope that opens regions, with their dtypes: which scalers the scope uses is
-        #: only worth finding (``finish``) in a file with a bf16 region.
-        self._region_scopes: List[Tuple[nodes.NodeNG, Set[Optional[str]]]] = []
+        #: Every scope with the regions it opens: which scalers a scope uses is only worth
+        #: finding (``finish``) in a file with a bf16 region.
+        self._scopes: List[Tuple[nodes.NodeNG, List[Tuple[nodes.NodeNG, Region]]]] = []
 
     def visit_module(self, node: nodes.Module) -> None:
         self._check_scope(node)
@@ -65,7 +68,7 @@ class ScalerDtypeMismatch(Check):
         entries = list(self._region_entries(scope))
         backwards = self._plain_backwards(scope)
         own = self._fp16_with_grad(entries) if backwards else []
-        fp16 = own + self._helper_fp16_regions(scope) if backwards else []
+        fp16 = own + self._fp16_with_grad(self._helper_regions(scope)) if backwards else []
         if fp16 and not self._mentions_scaler(scope):
             opener, region = fp16[0]
             self.report(
@@ -80,8 +83,7 @@ class ScalerDtypeMismatch(Check):
                     detail="fp16 autocast whose loss goes through a plain backward() "
                     "though a GradScaler is used here: small gradients flush to zero",
                 )
-        if entries:
-            self._region_scopes.append((scope, {region.dtype for _, region in entries}))
+        self._scopes.append((scope, entries))
 
     def _fp16_with_grad(
         self, entries: Iterable[Tuple[nodes.NodeNG, Region]]
@@ -96,34 +98,38 @@ class ScalerDtypeMismatch(Check):
             if fp16 is not None and not grad.no_grad_at(_opened_by(opener).body[0])
         ]
 
-    def _helper_fp16_regions(self, scope: nodes.NodeNG) -> List[Tuple[nodes.NodeNG, Region]]:
-        """fp16 regions of the module's functions that ``scope`` calls for what it
-        backpropagates (``loss = forward_step(model, batch); loss.backward()``)."""
+    def _helper_regions(self, scope: nodes.NodeNG) -> List[Tuple[nodes.NodeNG, Region]]:
+        """The regions of the module's functions that ``scope`` calls for what it
+        backpropagates, which its loss is computed in too (``loss = forward_step(model,
+        batch); loss.backward()``; ``logits = encode(model, x)`` with ``encode`` decorated
+        ``@torch.autocast(...)``)."""
         names = self.context.names
         found = []
         for call in calls_in_order(scope):
             helper = names.local_function(call)
             if helper is None or helper is scope:
                 continue
-            helper_fp16 = self._fp16_with_grad(self._region_entries(helper))
-            if helper_fp16 and reaches_backward(call, names):
-                found.extend(helper_fp16)
+            entries = list(self._region_entries(helper))
+            if entries and reaches_backward(call, names):
+                found.extend(entries)
         return found
 
     def finish(self) -> None:
-        if not any(BF16 in dtypes for _, dtypes in self._region_scopes):
+        if not any(region.dtype == BF16 for _, entries in self._scopes for _, region in entries):
             return
-        # enabled GradScaler(...) calls -> dtypes of the regions of the scopes that scale a
-        # backward with them
+        # enabled GradScaler(...) calls -> dtypes of the regions that the scopes scaling a
+        # backward with them compute their loss in (None: a scope with none known)
+        analysis = scaler_analysis(self.context)
         scaler_uses: Dict[nodes.Call, Set[Optional[str]]] = {}
-        for scope, dtypes in self._region_scopes:
-            flow = scaler_analysis(self.context).flow(scope)
+        for scope, entries in self._scopes:
+            flow = analysis.flow(scope)
             if not flow.scaled_backwards:
                 continue
+            regions = entries + self._helper_regions(scope)
+            dtypes = {region.dtype for _, region in regions} or {None}
             for scaler in flow.scalers.values():
-                if scaler.surely_enabled:
-                    for construction in scaler.constructions:
-                        scaler_uses.setdefault(construction, set()).update(dtypes)
+                for construction in scaler.enabled_constructions:
+                    scaler_uses.setdefault(construction, set()).update(dtypes)
         for construction, dtypes in scaler_uses.items():
             if dtypes == {BF16}:
                 self.report(

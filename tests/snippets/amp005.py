@@ -739,3 +739,32 @@ class MixinNextToABaseFromElsewhere(ClipMixin, Accelerator):
         self.clip()
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+
+def clip_then_step(model, optimizer, step_scaler):
+    """Steps and updates the scaler it is passed but never unscales it: what it clips is
+    judged where it is called."""
+    clip_grad_norm_(model.parameters(), 1.0)
+    step_scaler.step(optimizer)
+    step_scaler.update()
+
+
+def train_through_clip_then_step(model, loader, optimizer):
+    grad_scaler = torch.amp.GradScaler("cuda")
+    for batch in loader:
+        grad_scaler.scale(model(batch)).backward()
+        clip_then_step(model, optimizer, grad_scaler)  # AMP005
+
+
+def unscale_clip_then_step(model, optimizer, step_scaler):
+    step_scaler.unscale_(optimizer)
+    clip_grad_norm_(model.parameters(), 1.0)
+    step_scaler.step(optimizer)
+    step_scaler.update()
+
+
+def train_through_unscale_clip_then_step(model, loader, optimizer):
+    grad_scaler = torch.amp.GradScaler("cuda")
+    for batch in loader:
+        grad_scaler.scale(model(batch)).backward()
+        unscale_clip_then_step(model, optimizer, grad_scaler)

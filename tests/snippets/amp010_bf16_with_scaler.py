@@ -136,3 +136,120 @@ def fp16_plain_backward_while_file_has_scaler(model, batch, optimizer):
 def bf16_eval(model, batch):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         return model(batch)
+
+
+# ---- regions of the helpers a loss comes from; scalers passed as arguments ---------------
+@torch.autocast("cuda", dtype=torch.bfloat16)
+def encode_bf16(model, feats):
+    return model(feats)
+
+
+def train_through_bf16_encoder(model, loader, optimizer):
+    scaler = torch.amp.GradScaler("cuda")  # AMP010
+    for feats, targets in loader:
+        logits = encode_bf16(model, feats)
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def scaler_built_enabled_on_one_path(model, batch, optimizer, use_amp):
+    """Each construction is judged by itself: on the ``use_amp`` path an enabled scaler
+    scales a bf16 loss."""
+    if use_amp:
+        scaler = torch.amp.GradScaler("cuda")  # AMP010
+    else:
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def bf16_epoch(model, loader, optimizer, scaler):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def run_bf16_epochs(model, loader, optimizer, epochs):
+    scaler = torch.amp.GradScaler("cuda")  # AMP010
+    for _ in range(epochs):
+        bf16_epoch(model, loader, optimizer, scaler)
+
+
+def encoder_epoch(model, loader, optimizer, grad_scaler):
+    for feats, targets in loader:
+        logits = encode_bf16(model, feats)
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets)
+        grad_scaler.scale(loss).backward()
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+
+
+def run_encoder_epochs(model, loader, optimizer, epochs):
+    grad_scaler = torch.amp.GradScaler("cuda")  # AMP010
+    for _ in range(epochs):
+        encoder_epoch(model, loader, optimizer, grad_scaler)
+
+
+def fp16_epoch(model, loader, optimizer, scaler):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def run_bf16_then_fp16_epochs(model, loader, optimizer):
+    """The same scaler also serves fp16 code: it is needed."""
+    scaler = torch.amp.GradScaler("cuda")
+    bf16_epoch(model, loader, optimizer, scaler)
+    fp16_epoch(model, loader, optimizer, scaler)
+
+
+def run_bf16_epochs_scaler_by_flag(model, loader, optimizer, use_amp):
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+    bf16_epoch(model, loader, optimizer, scaler)
+
+
+def external_forward_epoch(model, loader, optimizer, scaler, forward_step):
+    """The loss comes from code elsewhere, under an autocast not seen here."""
+    for batch in loader:
+        loss = forward_step(model, batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def run_bf16_and_external_epochs(model, loader, optimizer, forward_step):
+    scaler = torch.amp.GradScaler("cuda")
+    bf16_epoch(model, loader, optimizer, scaler)
+    external_forward_epoch(model, loader, optimizer, scaler, forward_step)
+
+
+def fp16_loss_beside_a_bf16_probe(model, loader, optimizer, log):
+    """The bf16 helper's result is only logged: the loss is computed in fp16."""
+    scaler = torch.amp.GradScaler("cuda")
+    for feats in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(feats)
+        log(encode_bf16(model, feats).norm())
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def library_bf16_step(model, batch, optimizer, lib_scaler):
+    """A scaler parameter with no call site in this file: nothing here builds it."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(batch)
+    lib_scaler.scale(loss).backward()
+    lib_scaler.step(optimizer)
+    lib_scaler.update()
