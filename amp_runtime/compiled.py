@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 from typing import Any, Callable
 
 import torch
@@ -32,8 +31,6 @@ from .entry_points import SharedPatch
 
 #: The guard compiling in the calling thread (``guard.current_guard``), set by the first user.
 _current_guard: Callable[[], Any] = lambda: None
-_lock = threading.Lock()
-_users = 0
 
 
 def _compilation_starts(*args) -> None:
@@ -48,23 +45,15 @@ def _compilation_ends(*args) -> None:
         guard.compilation_ends()
 
 
+_CALLBACKS = (_compilation_starts, _compilation_ends)
+
+
 def _callback_lists():
     """Dynamo's lists of start and end callbacks, or None while dynamo is not loaded."""
     handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
     if handler is None:
         return None
     return handler.start_callbacks, handler.end_callbacks
-
-
-def _register() -> None:
-    """Put the callbacks on dynamo's lists (again after ``torch._dynamo.reset()`` cleared them)."""
-    lists = _callback_lists()
-    with _lock:
-        if lists is None or not _users:
-            return
-        for callbacks, callback in zip(lists, (_compilation_starts, _compilation_ends)):
-            if callback not in callbacks:
-                callbacks.append(callback)
 
 
 _ORIGINAL_COMPILE = torch.compile
@@ -75,31 +64,41 @@ def _compile(*args, **kwargs):
     compiled = _ORIGINAL_COMPILE(*args, **kwargs)  # compiles lazily, at the first call
     guard = _current_guard()
     if guard is not None:  # dynamo is loaded now: the callbacks can go on its lists
-        guard.containment.call(guard, _register)
+        guard.containment.call(guard, _WATCH.register)
     return compiled
 
 
-_COMPILE_PATCH = SharedPatch([(torch, "compile", _compile)])
+class _CompileWatch(SharedPatch):
+    """``torch.compile`` replaced, and the callbacks on dynamo's lists, while a guard is active."""
+
+    def register(self) -> None:
+        """Put the callbacks on dynamo's lists (again after ``torch._dynamo.reset()`` cleared
+        them), once dynamo is loaded."""
+        lists = _callback_lists()
+        with self.lock:
+            if lists is None or not self.active:
+                return
+            for callbacks, callback in zip(lists, _CALLBACKS):
+                if callback not in callbacks:
+                    callbacks.append(callback)
+
+    def stop(self) -> None:
+        super().stop()
+        for callbacks, callback in zip(_callback_lists() or (), _CALLBACKS):
+            while callback in callbacks:
+                callbacks.remove(callback)
+
+
+_WATCH = _CompileWatch([(torch, "compile", _compile)])
 
 
 def watch_compilations(current_guard: Callable[[], Any]) -> None:
     """Tell ``current_guard()`` when compilations start and end, until ``stop_watching``."""
-    global _current_guard, _users
-    with _lock:
-        _current_guard = current_guard
-        _users += 1
-    _COMPILE_PATCH.acquire()
-    _register()
+    global _current_guard
+    _current_guard = current_guard
+    _WATCH.acquire()
+    _WATCH.register()
 
 
 def stop_watching() -> None:
-    global _users
-    _COMPILE_PATCH.release()
-    lists = _callback_lists()
-    with _lock:
-        _users -= 1
-        if _users or lists is None:
-            return
-        for callbacks, callback in zip(lists, (_compilation_starts, _compilation_ends)):
-            while callback in callbacks:
-                callbacks.remove(callback)
+    _WATCH.release()

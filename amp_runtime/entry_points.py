@@ -15,6 +15,7 @@ was entered (``from torch.autograd import grad``) is seen on watched steps only.
 """
 from __future__ import annotations
 
+import abc
 import functools
 import threading
 from typing import Any, Callable, Iterable, Tuple
@@ -33,33 +34,62 @@ ENTRY_POINTS: Tuple[Tuple[Any, str], ...] = (
 ORIGINALS = tuple(vars(owner)[name] for owner, name in ENTRY_POINTS)
 
 
-class SharedPatch:
-    """Attributes replaced while at least one user holds the patch (refcounted, thread-safe).
+class Shared(abc.ABC):
+    """Something of torch's changed while at least one guard uses it: ``start`` runs for the
+    first user, ``stop`` after the last (refcounted; thread-safe: both run under ``lock``,
+    which subclasses also take to act only while ``active``)."""
 
-    A replaced attribute is restored by the last user only if it is still ours: code that
-    patched it after us keeps its own.
-    """
-
-    def __init__(self, replacements: Iterable[Tuple[Any, str, Callable]]):
-        self._replacements = [(owner, name, vars(owner)[name], new)
-                              for owner, name, new in replacements]
-        self._lock = threading.Lock()
+    def __init__(self):
+        self.lock = threading.RLock()
         self._users = 0
 
+    @property
+    def active(self) -> bool:
+        return self._users > 0
+
     def acquire(self) -> None:
-        with self._lock:
+        with self.lock:
             self._users += 1
             if self._users == 1:
-                for owner, name, _, new in self._replacements:
-                    setattr(owner, name, new)
+                self.start()
 
     def release(self) -> None:
-        with self._lock:
+        with self.lock:
             self._users -= 1
             if self._users == 0:
-                for owner, name, original, new in self._replacements:
-                    if vars(owner).get(name) is new:
-                        setattr(owner, name, original)
+                self.stop()
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Change torch (the first user came)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Undo ``start`` (the last user left)."""
+
+
+def restore(owner: Any, name: str, original: Any, ours: Any) -> None:
+    """Put ``original`` back as ``owner.name`` if that is still ``ours``: code that patched
+    it after us keeps its own."""
+    if vars(owner).get(name) is ours:
+        setattr(owner, name, original)
+
+
+class SharedPatch(Shared):
+    """Attributes replaced while at least one user holds the patch."""
+
+    def __init__(self, replacements: Iterable[Tuple[Any, str, Callable]]):
+        super().__init__()
+        self._replacements = [(owner, name, vars(owner)[name], new)
+                              for owner, name, new in replacements]
+
+    def start(self) -> None:
+        for owner, name, _, new in self._replacements:
+            setattr(owner, name, new)
+
+    def stop(self) -> None:
+        for owner, name, original, new in self._replacements:
+            restore(owner, name, original, new)
 
 
 #: The guard that runs the calling thread's calls of the entry points (its innermost active

@@ -37,6 +37,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.compiler import is_compiling
 
+from amp_runtime.entry_points import Shared, restore
 from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.thresholds import Thresholds
 from amp_runtime.tracking import Location
@@ -181,42 +182,31 @@ def _watched(name: str, original: Callable) -> Callable:
     return method
 
 
-class ScalerPatch:
+class ScalerPatch(Shared):
     """The watched methods, replaced on GradScaler and its subclasses while at least one guard is
-    active (refcounted, thread-safe). Subclasses defined meanwhile are patched as they are
-    created (``GradScaler.__init_subclass__``). A replaced method is restored by the last user
-    only if it is still ours: code that patched it after us keeps its own."""
+    active. Subclasses defined meanwhile are patched as they are created
+    (``GradScaler.__init_subclass__``)."""
 
     def __init__(self):
-        self._lock = threading.RLock()
-        self._users = 0
+        super().__init__()
         self._replaced: List[Tuple[type, str, Any, Callable]] = []
 
-    def acquire(self) -> None:
-        with self._lock:
-            self._users += 1
-            if self._users > 1:
-                return
-            for cls in _scaler_classes():
-                self._patch(cls)
-            GradScaler.__init_subclass__ = classmethod(_subclass_defined)
+    def start(self) -> None:
+        for cls in _scaler_classes():
+            self._patch(cls)
+        GradScaler.__init_subclass__ = classmethod(_subclass_defined)
 
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users:
-                return
-            hook = vars(GradScaler).get("__init_subclass__")
-            if getattr(hook, "__func__", None) is _subclass_defined:
-                del GradScaler.__init_subclass__
-            for cls, name, original, new in reversed(self._replaced):
-                if vars(cls).get(name) is new:
-                    setattr(cls, name, original)
-            self._replaced = []
+    def stop(self) -> None:
+        hook = vars(GradScaler).get("__init_subclass__")
+        if getattr(hook, "__func__", None) is _subclass_defined:
+            del GradScaler.__init_subclass__
+        for cls, name, original, new in reversed(self._replaced):
+            restore(cls, name, original, new)
+        self._replaced = []
 
     def _patch(self, cls: type) -> None:
-        with self._lock:
-            if not self._users:
+        with self.lock:
+            if not self.active:
                 return
             for name in WATCHED_METHODS:
                 original = vars(cls).get(name)
