@@ -175,9 +175,9 @@ class Readings:
         """The one device-to-host transfer: non-blocking, into pinned memory from an accelerator
         (``to`` allocates it), followed by an event; host memory is returned as it is."""
         self.counts.copies += 1
-        host = buffer.to("cpu", non_blocking=True)
         if buffer.device.type == "cpu":
-            return host, None
+            return buffer, None  # already host memory: ``to`` would return it as it is
+        host = buffer.to("cpu", non_blocking=True)
         done = torch.Event(buffer.device)
         done.record()
         return host, done
