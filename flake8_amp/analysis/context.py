@@ -25,6 +25,7 @@ from flake8_amp.analysis.names import (
     call_argument,
     call_arguments,
     chain_root,
+    chain_top,
     code_frame,
     enclosing_class,
     keyword_value,
@@ -253,8 +254,7 @@ class GradContext:
         ``m.encode(x.half())``, ``m.load_state_dict({k: v.half() ...})``). A ``self.<x>``
         object may be frozen when it is built (``self.target.eval()`` in ``__init__``) if
         no method of the class trains it."""
-        while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
-            expr = expr.parent.parent
+        expr = chain_top(expr, CHAIN_METHODS)
         objects = {object_key(assign_target(expr))}
         fed = expr
         while isinstance(fed.parent, COMPREHENSIONS) and fed is not fed.parent.generators[0].iter:
@@ -511,8 +511,7 @@ class GradContext:
         """``expr``'s object (the whole method chain) is handed to a call named for inference
         or evaluation (``validate.run(model=attempt_load(f).half())``, ``evaluate(m.half(),
         loader)``): it is used there, without gradients."""
-        while isinstance(expr.parent, nodes.Attribute) and _chain_call(expr.parent.parent):
-            expr = expr.parent.parent
+        expr = chain_top(expr, CHAIN_METHODS)
         consumer = expr.parent.parent if isinstance(expr.parent, nodes.Keyword) else expr.parent
         if not isinstance(consumer, nodes.Call) or consumer.func is expr:
             return False
@@ -576,9 +575,7 @@ def _is_assertion(call: nodes.Call) -> bool:
 
 def _kept_on_self(node: nodes.NodeNG) -> bool:
     """The object of ``node``'s method chain starts from, or is stored in, ``self.<x>``."""
-    top = node
-    while isinstance(top.parent, nodes.Attribute) and _chain_call(top.parent.parent):
-        top = top.parent.parent
+    top = chain_top(node, CHAIN_METHODS)
     keys = (object_key(chain_root(node, CHAIN_METHODS)), object_key(assign_target(top)))
     return any(key.startswith("self.") for key in keys)
 

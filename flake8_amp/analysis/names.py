@@ -836,6 +836,18 @@ def chain_root(
             return expr
 
 
+def chain_top(node: nodes.NodeNG, methods: FrozenSet[str]) -> nodes.NodeNG:
+    """The last call of the chain of ``methods`` calls that continues ``node``: the
+    ``.eval()`` call for ``m.half()`` in ``m.half().cuda().eval()`` (the counterpart of
+    :func:`chain_root`)."""
+    while isinstance(node.parent, nodes.Attribute) and node.parent.attrname in methods:
+        call = node.parent.parent
+        if not isinstance(call, nodes.Call) or call.func is not node.parent:
+            break
+        node = call
+    return node
+
+
 def keyword_value(call: nodes.Call, name: str) -> Optional[nodes.NodeNG]:
     for kw in call.keywords or ():
         if kw.arg == name:

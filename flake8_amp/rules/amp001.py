@@ -15,6 +15,7 @@ from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, LOW
 from flake8_amp.analysis.names import (
     calls_in_order,
     chain_root,
+    chain_top,
     code_frame,
     is_self,
     simple_name,
@@ -66,7 +67,7 @@ class ManualCast(Check):
         cast made low precision: the cast is what decides their dtype there (the last cast
         of the module or of one it is part of; ``model.float()`` in between undoes it)."""
         grad, dtypes = self.context.grad, self.context.dtypes
-        top = _chain_top(node)
+        top = chain_top(node, CHAIN_METHODS)
         after = False
         for call in calls_in_order(code_frame(node)):
             after = after or call is top
@@ -102,7 +103,7 @@ class ManualCast(Check):
         training in fp16)."""
         scope = code_frame(node)
         root = chain_root(func.expr, CHAIN_METHODS)
-        keys = {object_key(assign_target(_chain_top(node))), object_key(root)}
+        keys = {object_key(assign_target(chain_top(node, CHAIN_METHODS))), object_key(root)}
         keys.discard("")
         if keys & (self.context.grad.trained_in(scope) | _run_before_backward(scope)):
             return False
@@ -145,17 +146,6 @@ def _saved_objects(scope: nodes.NodeNG) -> set:
                     object_key(sub) for sub in arg.nodes_of_class((nodes.Name, nodes.Attribute))
                 )
     return saved
-
-
-def _chain_top(node: nodes.NodeNG) -> nodes.NodeNG:
-    """The last call of the method chain ``node`` belongs to (``m.half().cuda().eval()``)."""
-    while (
-        isinstance(node.parent, nodes.Attribute)
-        and isinstance(node.parent.parent, nodes.Call)
-        and node.parent.attrname in CHAIN_METHODS
-    ):
-        node = node.parent.parent
-    return node
 
 
 def _round_trip(node: nodes.Call) -> bool:
