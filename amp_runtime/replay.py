@@ -60,7 +60,7 @@ from .events import FINDINGS, AmpRuntimeWarning
 from .mode import GuardMode
 from .monitors import Monitor, autograd_nodes, dtype_name, readable, tensors_in
 from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
-from .monitors.grads import l2_norms, layer_of, listing
+from .monitors.grads import l2_norms, listing, nonfinite_gradients
 from .monitors.scaler import SKIPPED
 from .readings import Readings
 from .tracking import CALL_IMPL_CODE, NOWHERE, Location, format_location, op_name, unwrap_compiled
@@ -876,8 +876,7 @@ class StepReplay(Monitor):
             outcome.skipped = str(reason)
         self.outcomes.append(outcome)
         if "AMP103" in outcome.triggers and nonfinite:
-            layers = list(dict.fromkeys(layer_of(name) for _, name in nonfinite))
-            found = {"where": listing(layers), "module": layers[0], "details": {"layers": layers}}
+            found = nonfinite_gradients(name for _, name in nonfinite)
             guard.emit("AMP103", **{"op": "optimizer.step",
                                     **self.explain_nonfinite_grads(guard.step_index, found)})
         return outcome

@@ -29,7 +29,7 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -256,6 +256,13 @@ def listing(names: Sequence[str]) -> str:
     return shown + (f" and {hidden} more" if hidden > 0 else "")
 
 
+def nonfinite_gradients(parameter_names: Iterable[str]) -> dict:
+    """AMP103's emit arguments for the parameters (earliest first) whose gradients are
+    non-finite, named by their layers."""
+    names = list(dict.fromkeys(layer_of(name) for name in parameter_names))
+    return dict(where=listing(names), module=names[0], details={"layers": names})
+
+
 def judge_gradients(
     layers: Sequence[LayerGrad], loss_scale: Optional[float], limits: Thresholds
 ) -> List[Tuple[str, dict]]:
@@ -265,10 +272,8 @@ def judge_gradients(
     findings: List[Tuple[str, dict]] = []
     total = total_norm(layers)
     if not math.isfinite(total):
-        names = list(dict.fromkeys(layer_of(g.name) for g in layers if not math.isfinite(g.norm)))
-        findings.append(("AMP103", dict(
-            where=listing(names), module=names[0], details={"layers": names},
-        )))
+        nonfinite = (g.name for g in layers if not math.isfinite(g.norm))
+        findings.append(("AMP103", nonfinite_gradients(nonfinite)))
         return findings  # norms of non-finite gradients mean nothing
 
     if total > limits.grad_explosion:
