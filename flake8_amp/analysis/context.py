@@ -354,11 +354,9 @@ class GradContext:
         if receiver is not None:
             return [receiver]
         if isinstance(params, nodes.Name):
-            statement = params.statement()
             return [
                 owner
-                for binding in self.names.reaching_bindings(params)
-                if binding.statement() is not statement
+                for binding in self.names.earlier_bindings(params)
                 for owner in self.parameter_owners(assigned_value(binding), frozen_too, hops)
             ]
         if isinstance(params, (nodes.List, nodes.Tuple)):
@@ -431,10 +429,8 @@ class GradContext:
     def _wrapped_for_master_weights(self, call: nodes.Call) -> bool:
         """The optimizer ``call`` builds is handed, directly or by the name it is bound to in
         its function, to a call named for fp16 master weights (``FP16_Optimizer(opt)``)."""
-        wrappers = []
-        consumer = call.parent.parent if isinstance(call.parent, nodes.Keyword) else call.parent
-        if isinstance(consumer, nodes.Call) and consumer.func is not call:
-            wrappers.append(consumer)
+        receiver = _receiving_call(call)
+        wrappers = [receiver] if receiver is not None else []
         key = object_key(assign_target(call))
         if key:
             wrappers.extend(
@@ -511,9 +507,8 @@ class GradContext:
         """``expr``'s object (the whole method chain) is handed to a call named for inference
         or evaluation (``validate.run(model=attempt_load(f).half())``, ``evaluate(m.half(),
         loader)``): it is used there, without gradients."""
-        expr = chain_top(expr, CHAIN_METHODS)
-        consumer = expr.parent.parent if isinstance(expr.parent, nodes.Keyword) else expr.parent
-        if not isinstance(consumer, nodes.Call) or consumer.func is expr:
+        consumer = _receiving_call(chain_top(expr, CHAIN_METHODS))
+        if consumer is None:
             return False
         func = consumer.func
         words = name_words(simple_name(func))
@@ -565,6 +560,13 @@ def _called_names(scope: nodes.NodeNG) -> List[str]:
 def _chain_call(node: Optional[nodes.NodeNG]) -> bool:
     """``node`` is ``<object>.<method>(...)`` with a method that returns the object."""
     return isinstance(node, nodes.Call) and method_call(node)[0] in CHAIN_METHODS
+
+
+def _receiving_call(expr: nodes.NodeNG) -> Optional[nodes.Call]:
+    """The call that ``expr`` is an argument of, by position or keyword
+    (``evaluate(m.half())``, ``run(model=m.half())``); None otherwise."""
+    parent = expr.parent.parent if isinstance(expr.parent, nodes.Keyword) else expr.parent
+    return parent if isinstance(parent, nodes.Call) and parent.func is not expr else None
 
 
 def _is_assertion(call: nodes.Call) -> bool:

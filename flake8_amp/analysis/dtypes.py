@@ -232,12 +232,7 @@ class Dtypes:
         """The one value assigned to the name ``expr`` that reaches it, if so."""
         if not isinstance(expr, nodes.Name):
             return None
-        statement = expr.statement()
-        values = [
-            assigned_value(binding)
-            for binding in self.names.reaching_bindings(expr)
-            if binding.statement() is not statement
-        ]
+        values = [assigned_value(binding) for binding in self.names.earlier_bindings(expr)]
         return values[0] if len(values) == 1 else None
 
     def of(self, expr: nodes.NodeNG) -> Optional[str]:
@@ -254,15 +249,9 @@ class Dtypes:
         if isinstance(expr, nodes.IfExp):
             alternatives = [self.of(expr.body), self.of(expr.orelse)]
         elif isinstance(expr, nodes.Name):
-            statement = expr.statement()
-            alternatives = []
-            for binding in self.names.reaching_bindings(expr):
-                if binding.statement() is statement:
-                    continue
-                value = assigned_value(binding)
-                alternatives.append(
-                    self.of(value) if value is not None else self._unpacked(binding, 0)
-                )
+            alternatives = [
+                self._binding_kind(binding, 0) for binding in self.names.earlier_bindings(expr)
+            ]
         else:
             return None
         if not alternatives or None in alternatives:
@@ -309,18 +298,17 @@ class Dtypes:
         return None
 
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
-        statement = name.statement()
         kinds = set()
-        for binding in self.names.reaching_bindings(name):
-            if binding.statement() is statement:
-                continue  # ``x = x.half()``: the right-hand ``x`` is the earlier value
-            value = assigned_value(binding)
-            kinds.add(
-                self._of(value, depth) if value is not None else self._unpacked(binding, depth)
-            )
+        for binding in self.names.earlier_bindings(name):
+            kinds.add(self._binding_kind(binding, depth))
             if None in kinds:
                 return None
         return kinds.pop() if len(kinds) == 1 else None
+
+    def _binding_kind(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
+        """The kind of what ``binding`` binds: an assigned value, or an unpacked element."""
+        value = assigned_value(binding)
+        return self._of(value, depth) if value is not None else self._unpacked(binding, depth)
 
     def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
         """``a, b = x.half(), y`` (the element) or ``top, idx = x.topk(k)`` (x's dtype, ints)."""

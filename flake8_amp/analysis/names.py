@@ -299,6 +299,12 @@ class Names:
         start, end = _position(last), _position(name)
         return [b for b in bindings if b is last or start < _position(b) < end]
 
+    def earlier_bindings(self, name: nodes.Name) -> List[nodes.NodeNG]:
+        """:meth:`reaching_bindings` but one in ``name``'s own statement: in ``x = x.half()``
+        the right-hand ``x`` is the earlier value."""
+        statement = name.statement()
+        return [b for b in self.reaching_bindings(name) if b.statement() is not statement]
+
     def parameter_default(self, name: nodes.Name) -> Optional[nodes.NodeNG]:
         """The default value of the parameter ``name`` is bound by (and nothing else), if any."""
         bindings = self.bindings(name)
