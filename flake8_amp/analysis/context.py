@@ -125,6 +125,8 @@ PARAMETER_PASSING: FrozenSet[str] = frozenset(
 MASTER_WEIGHT_MARKS: Tuple[str, ...] = ("fp16", "float16", "half", "master", "mixedprecision")
 #: How many names and wrappers the parameters of an optimizer are followed through.
 _MAX_PARAMETER_HOPS = 6
+#: How many helper calls a returned value is followed up through (``prepare`` -> ``train``).
+_MAX_RETURN_HOPS = 3
 
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
@@ -203,13 +205,18 @@ class GradContext:
             current = current.parent
         return self._is_eval_scope(scope)
 
-    def training_at(self, node: nodes.NodeNG) -> bool:
+    def training_at(self, node: nodes.NodeNG, _hops: int = _MAX_RETURN_HOPS) -> bool:
         """There is positive evidence that ``node`` is training code: its function is named
         for training, calls ``.backward()`` / ``.zero_grad()``, or calls something named for
         training (``train_one_epoch()``, ``model.train()``); for an object kept on ``self``
         (``self.model = model.half()`` in ``__init__``), any method of its class counts. A
         local value in a method of a class that trains elsewhere (a mask cast for
-        communication in a pipeline engine) is not judged by the class."""
+        communication in a pipeline engine) is not judged by the class. A value the
+        function returns is judged where it is received: a helper whose caller here is
+        training code (``model = build_model(args)``, ``x, y = prepare(batch)`` in the loop),
+        outside no_grad/inference there, hands its value to training."""
+        if self._returned_to_training(node, _hops):
+            return True
         scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
@@ -227,6 +234,16 @@ class GradContext:
                 for method in owner.mymethods()
             )
         return False
+
+    def _returned_to_training(self, node: nodes.NodeNG, hops: int) -> bool:
+        scope = code_frame(node)
+        if hops <= 0 or not isinstance(scope, nodes.FunctionDef) or not _returned(node, scope):
+            return False
+        return any(
+            not (self.not_training_at(site) or self.fed_to_inference(site))
+            and self.training_at(site, hops - 1)
+            for site in self.names.call_sites(scope)
+        )
 
     def _calls_training(self, scope: nodes.NodeNG) -> bool:
         """``scope`` calls backward/zero_grad, or a function or method named for training
@@ -573,6 +590,29 @@ def _is_assertion(call: nodes.Call) -> bool:
     """``assert_close``, ``self.assertEqual``, ``np.testing.assert_allclose``, ``allclose``."""
     name = simple_name(call.func)
     return name.startswith("assert") or name in ("allclose", "isclose", "equal")
+
+
+def _returned(node: nodes.NodeNG, function: nodes.FunctionDef) -> bool:
+    """The value of ``node``'s method chain leaves ``function`` through ``return``: the
+    return statement holds it (``return x.half()``, ``return {k: v.half() ...}``, ``return
+    a, b``) or a name it is assigned to or casts in place (``model = model.half()`` /
+    ``model.half()`` ... ``return model``)."""
+    top = chain_top(node, CHAIN_METHODS)
+    statement = top.statement()
+    if isinstance(statement, nodes.Return):
+        return code_frame(statement) is function
+    if isinstance(statement, nodes.Expr) and statement.value is top:
+        target = object_key(chain_root(node, CHAIN_METHODS))
+    else:
+        target = object_key(assign_target(top))
+    if not target or "." in target:
+        return False
+    return any(
+        isinstance(sub, nodes.Name) and sub.name == target
+        for ret in function.nodes_of_class(nodes.Return, skip_klass=nodes.FunctionDef)
+        if ret.value is not None
+        for sub in ret.value.nodes_of_class(nodes.Name)
+    )
 
 
 def _kept_on_self(node: nodes.NodeNG) -> bool:

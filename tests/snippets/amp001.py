@@ -677,3 +677,86 @@ def build_with_fp16_flag(model, args):
     if args.fp16:
         model.half()
     return torch.optim.AdamW(model.parameters())
+
+
+# ---- a value a helper returns is judged where its caller receives it ------------------
+
+
+def build_half_model(make_net, device):
+    model = make_net().to(device)
+    model.half()  # AMP001
+    return model
+
+
+def train_built_model(make_net, loader, device):
+    model = build_half_model(make_net, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
+def prepare_batch(batch, device):
+    images = batch["image"].to(device, non_blocking=True).half()  # AMP001
+    return images, batch["label"].to(device)
+
+
+def prepare_features(batch):
+    return {key: value.to(torch.float16) for key, value in batch.items()}  # AMP001
+
+
+def fit_prepared(model, loader, optimizer, device):
+    for batch in loader:
+        images, labels = prepare_batch(batch, device)
+        extra = prepare_features(batch)
+        loss = model(images, labels, **extra)
+        loss.backward()
+        optimizer.step()
+
+
+def half_inputs_for_eval(batch):
+    return batch["image"].cuda().half()
+
+
+def evaluate_helper_inputs(model, loader):
+    for batch in loader:
+        model(half_inputs_for_eval(batch))
+
+
+def half_inputs_under_no_grad(batch):
+    return batch["image"].cuda().half()
+
+
+def train_with_monitoring(model, loader, optimizer, monitor):
+    for batch in loader:
+        model(batch["image"], batch["label"]).backward()
+        optimizer.step()
+        with torch.no_grad():
+            monitor(model, half_inputs_under_no_grad(batch))
+
+
+def half_copy_for_predict(model):
+    model_copy = copy.deepcopy(model)
+    model_copy.half()
+    return model_copy
+
+
+def train_then_predict(model, loader, optimizer, predict):
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+    predict(half_copy_for_predict(model), loader)
+
+
+def half_numpy_batch(batch):
+    return np.asarray(batch).astype(np.float16)
+
+
+def train_numpy_batches(model, loader, optimizer):
+    for batch in loader:
+        model(torch.from_numpy(half_numpy_batch(batch))).backward()
+        optimizer.step()
+
+
+def unused_half_helper(x):
+    return x.half()
