@@ -549,11 +549,16 @@ class GradContext:
 
     def _is_eval_scope(self, scope: nodes.NodeNG) -> bool:
         """``scope`` calls ``.eval()`` and trains nothing itself (no ``.step()``, nothing
-        from :meth:`_calls_training`, such as ``train_one_epoch(model)``)."""
+        from :meth:`_calls_training`, such as ``train_one_epoch(model)``). Not a constructor:
+        an ``__init__`` that puts a part in eval mode (``self.teacher = t.half().eval()``)
+        freezes that part (:meth:`frozen`) and builds the rest for its class's methods."""
         if scope not in self._eval_scopes:
             called = self.called_names(scope)
             self._eval_scopes[scope] = (
-                "eval" in called and "step" not in called and not self._calls_training(scope)
+                "eval" in called
+                and "step" not in called
+                and not self._calls_training(scope)
+                and not (isinstance(scope, nodes.FunctionDef) and scope.name == "__init__")
             )
         return self._eval_scopes[scope]
 

@@ -461,7 +461,7 @@ def reaches_backward(node: nodes.NodeNG, names) -> bool:
     """``node``'s result flows (through names and arithmetic in its function) into what a
     backward call backpropagates (``loss.backward()``, ``scaler.scale(loss)``,
     ``accelerator.backward(loss)``, ``loss_scaler(loss, optimizer)``)."""
-    pending: List[nodes.NodeNG] = list(_backpropagated_expressions(node.scope(), names))
+    pending: List[nodes.NodeNG] = list(_backpropagated_expressions(code_frame(node), names))
     seen = set()
     while pending:
         expr = pending.pop()

@@ -106,8 +106,11 @@ class LossOutsideAutocast(Check):
         upcasting the embeddings and not the scalar temperature)."""
         if definition is None:
             return self._autocast_output_name(call_argument(node, 0, "input"))
-        if any(self.context.dtypes.of(arg) == FP32 for arg in node.args):
-            return None
+        if any(
+            isinstance(arg, nodes.Call) and self.context.dtypes.cast_target(arg) == FP32
+            for arg in node.args
+        ):
+            return None  # the call upcasts some inputs: ``mae_loss(imgs, pred.float(), mask)``
         pairs = []
         for param, arg in zip(_parameters(definition), node.args):
             if isinstance(arg, nodes.Starred):

@@ -209,7 +209,9 @@ class Fp16OverflowLiteral(Check):
         region = self.context.regions.autocast_at(node)
         if region is not None:
             return region.dtype != BF16
-        return _in_model_code(node)
+        # Unknown dtype outside a region: model code's activations may arrive in fp16 from the
+        # caller's autocast; under no_grad there are none (targets, matching costs, masks).
+        return _in_model_code(node) and not self.context.grad.no_grad_at(node)
 
 
 def _dtype_owner(dtype_node: nodes.NodeNG) -> Optional[nodes.NodeNG]:

@@ -760,3 +760,29 @@ def train_numpy_batches(model, loader, optimizer):
 
 def unused_half_helper(x):
     return x.half()
+
+
+class DistilledClassifier(torch.nn.Module):
+    def __init__(self, vectors, teacher):
+        super().__init__()
+        self.embedding = torch.nn.Embedding.from_pretrained(vectors, freeze=False).half()  # AMP001
+        self.teacher = teacher.half().eval()
+        self.head = torch.nn.Linear(300, 2)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        with torch.no_grad():
+            soft = self.teacher(tokens)
+        return self.head(self.embedding(tokens).float()).sub(soft).pow(2).mean()
+
+
+class FrozenTeacherStudent(torch.nn.Module):
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.student = student
+        self.teacher = teacher.half().eval()
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            soft = self.teacher(batch)
+        return (self.student(batch) - soft).pow(2).mean()

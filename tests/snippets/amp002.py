@@ -629,3 +629,44 @@ def contrastive_step_upcast_inside(model, images, tokens):
         img, txt, scale = model(images, tokens)
     loss = contrastive_objective(img, txt, scale)
     scaler.scale(loss).backward()
+
+
+def dice_and_bce(pred, target):
+    return 0.5 * F.binary_cross_entropy_with_logits(pred, target) + 0.5 * (1 - (pred.sigmoid() * target).mean())
+
+
+def deep_supervision_generator(model, images, masks):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        side_outputs = model(images)
+    loss = sum(dice_and_bce(p, masks) for p in side_outputs) / len(side_outputs)  # AMP002
+    loss.backward()
+
+
+def deep_supervision_list(model, images, masks):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        side_outputs = model(images)
+    loss = sum([F.mse_loss(p, masks) for p in side_outputs])  # AMP002
+    loss.backward()
+
+
+def deep_supervision_inside_region(model, images, masks):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        side_outputs = model(images)
+        loss = sum(dice_and_bce(p, masks) for p in side_outputs) / len(side_outputs)
+    loss.backward()
+
+
+def deep_supervision_upcast(model, images, masks):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        side_outputs = model(images)
+    loss = sum(dice_and_bce(p.float(), masks) for p in side_outputs)
+    loss.backward()
+
+
+def deep_supervision_metrics(model, images, masks):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        side_outputs = model(images)
+        loss = F.mse_loss(side_outputs[0], masks)
+    scores = [dice_and_bce(p, masks) for p in side_outputs]
+    loss.backward()
+    return scores

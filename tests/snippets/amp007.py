@@ -332,3 +332,30 @@ class MinMaxNorm(nn.Module):
 
     def forward(self, pred, mask):
         return self.normalise(pred, mask)
+
+
+INF_DISTANCE = 100000000
+
+
+class CenternessHead(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.cls = nn.Conv2d(channels, 80, 3, padding=1)
+
+    def forward(self, features, locations, boxes):
+        targets = self.assign_targets(locations, boxes)
+        logits = self.cls(features)
+        return logits, targets
+
+    @torch.no_grad()
+    def assign_targets(self, locations, boxes):
+        areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+        areas = areas[None].repeat(len(locations), 1)
+        areas[locations[:, :1] < 0] = INF_DISTANCE
+        return areas.min(dim=1)
+
+
+class ScoreMaskHead(nn.Module):
+    def forward(self, scores, mask):
+        scores = scores.masked_fill(mask, -1e9)  # AMP007
+        return scores.softmax(-1)
