@@ -13,8 +13,26 @@ Knowledge flows through names (per function, the assignments that reach the use)
 ``self.register_buffer("x", value)`` is one), tuple
 unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
-indexing, dtype-preserving methods and the return values of the module's functions. A
-generic model call is unknown.
+indexing, dtype-preserving methods and the return values of the module's functions. The
+attributes of a parsed-arguments namespace (``args = parser.parse_args()``, also passed on
+as a parameter or kept as ``self.args``) are Python numbers in arithmetic: a number (or a
+0-dim tensor) does not promote a dimensioned low-precision tensor, a dimensioned fp32
+tensor does, so an attribute of any other object stays unknown.
+
+Calls of modules whose construction is known in the module (:meth:`Names.constructions`:
+``Net(...)``, ``self.x = Net()``, ``model: Net``, ``DDP(model).module``, ``torch.compile``,
+the elements of ``nn.ModuleList``/``nn.Sequential`` reached by iteration or indexing): a
+class of this module runs its ``forward`` (and a function of this module its body) in the
+region of the call -- autocast is dynamic: the followed code runs in its caller's region
+unless it opens its own -- at most :data:`_MAX_FRAMES` deep and never recursively; ``nn``
+modules are their op (``nn.Linear`` linear, ``nn.LayerNorm`` layer_norm: fp32 under CUDA
+autocast, the input's dtype under CPU autocast, unknown where the device is unknown) or keep
+their input's dtype (activations, dropout, batch norm); ``nn.Sequential`` feeds its elements
+in turn (or, for a list built in a loop, needs every element to keep its input's dtype but
+those producing one same kind). Where no region is known, a low-precision op on fp32 input
+is unknown in a function whose callers are all elsewhere (a caller may run it under
+autocast). Regions are those of the call sites with gradients on (the training run). A
+model from elsewhere stays unknown.
 """
 
 from __future__ import annotations
@@ -35,7 +53,7 @@ from flake8_amp.analysis.names import (
     method_call,
     unpacked_value,
 )
-from flake8_amp.analysis.regions import BF16, CPU, FP16, Region, returned_values
+from flake8_amp.analysis.regions import BF16, CPU, CUDA, FP16, Region, returned_values
 
 FP32, LOW, INT = "fp32", "low", "int"
 LOW_KINDS = frozenset({FP16, BF16, LOW})
@@ -583,9 +601,7 @@ class Dtypes:
             if self.names.constructions(func):
                 return self._module_call(call, depth)  # ``self.norm(x)``: a module, not a method
             return self._method(call, func, depth)
-        if isinstance(func, nodes.Name):
-            return self._module_call(call, depth)
-        return None
+        return self._module_call(call, depth)  # ``model(x)``, ``self.layers[-1](x)``
 
     def _torch_function(self, call: nodes.Call, callee: Callee, depth: int) -> Optional[str]:
         op = callee.name
@@ -635,6 +651,8 @@ class Dtypes:
             return input_kind
         if op in LOW_PRECISION_OPS:
             return region.dtype or LOW
+        if region.device not in (CUDA, CPU) and (op in CUDA_FP32_OPS) != (op in CPU_FP32_OPS):
+            return None  # fp32 on one device, the input's dtype on the other
         if autocast_fp32_op(op, region):
             return FP32
         return input_kind

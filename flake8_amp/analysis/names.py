@@ -151,6 +151,12 @@ class Names:
         if isinstance(func, nodes.Attribute) and is_self(func.expr):
             owner = enclosing_class(call)
             return self.method_of(owner, func.attrname) if owner is not None else None
+        if isinstance(func, nodes.Attribute) and func.attrname not in _RETURNS_SELF:
+            # ``model.encode(x)`` for ``model = Net()``: unless ``encode`` is an attribute
+            # holding something else (``self.encode = nn.Linear(...)``)
+            owner = self.local_class(func.expr)
+            if owner is not None and func.attrname not in self._self_attributes(owner):
+                return self.method_of(owner, func.attrname)
         return None
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
