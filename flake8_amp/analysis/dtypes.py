@@ -646,8 +646,9 @@ class Dtypes:
         input's."""
         region = self.region_at(node)
         if region is None:
-            if op in LOW_PRECISION_OPS and input_kind == FP32 and not self._autocast_known_off(node):
-                return None  # fp32 unless a caller elsewhere runs it under autocast
+            if op in LOW_PRECISION_OPS and input_kind == FP32:
+                # fp32 unless a caller elsewhere runs it under autocast
+                return FP32 if self._autocast_known_off(node) else None
             return input_kind
         if op in LOW_PRECISION_OPS:
             return region.dtype or LOW

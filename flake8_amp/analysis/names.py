@@ -1041,7 +1041,9 @@ def _list_binding_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
 
 def _binds_self(function: nodes.NodeNG) -> bool:
     """``function`` is a method whose first parameter its calls do not pass."""
-    if not isinstance(function, nodes.FunctionDef) or not isinstance(function.parent, nodes.ClassDef):
+    if not isinstance(function, nodes.FunctionDef):
+        return False
+    if not isinstance(function.parent, nodes.ClassDef):
         return False
     decorators = function.decorators.nodes if function.decorators else []
     return not any(isinstance(d, nodes.Name) and d.name == "staticmethod" for d in decorators)
