@@ -13,8 +13,26 @@ Knowledge flows through names (per function, the assignments that reach the use)
 ``self.register_buffer("x", value)`` is one), tuple
 unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
-indexing, dtype-preserving methods and the return values of the module's functions. A
-generic model call is unknown.
+indexing, dtype-preserving methods and the return values of the module's functions. The
+attributes of a parsed-arguments namespace (``args = parser.parse_args()``, also passed on
+as a parameter or kept as ``self.args``) are Python numbers in arithmetic: a number (or a
+0-dim tensor) does not promote a dimensioned low-precision tensor, a dimensioned fp32
+tensor does, so an attribute of any other object stays unknown.
+
+Calls of modules whose construction is known in the module (:meth:`Names.constructions`:
+``Net(...)``, ``self.x = Net()``, ``model: Net``, ``DDP(model).module``, ``torch.compile``,
+the elements of ``nn.ModuleList``/``nn.Sequential`` reached by iteration or indexing): a
+class of this module runs its ``forward`` (and a function of this module its body) in the
+region of the call -- autocast is dynamic: the followed code runs in its caller's region
+unless it opens its own -- at most :data:`_MAX_FRAMES` deep and never recursively; ``nn``
+modules are their op (``nn.Linear`` linear, ``nn.LayerNorm`` layer_norm: fp32 under CUDA
+autocast, the input's dtype under CPU autocast, unknown where the device is unknown) or keep
+their input's dtype (activations, dropout, batch norm); ``nn.Sequential`` feeds its elements
+in turn (or, for a list built in a loop, needs every element to keep its input's dtype but
+those producing one same kind). Where no region is known, a low-precision op on fp32 input
+is unknown in a function whose callers are all elsewhere (a caller may run it under
+autocast). Regions are those of the call sites with gradients on (the training run). A
+model from elsewhere stays unknown.
 """
 
 from __future__ import annotations
@@ -35,7 +53,7 @@ from flake8_amp.analysis.names import (
     method_call,
     unpacked_value,
 )
-from flake8_amp.analysis.regions import BF16, CPU, FP16, Region, returned_values
+from flake8_amp.analysis.regions import BF16, CPU, CUDA, FP16, Region, returned_values
 
 FP32, LOW, INT = "fp32", "low", "int"
 LOW_KINDS = frozenset({FP16, BF16, LOW})
@@ -87,7 +105,8 @@ PRESERVING: FrozenSet[str] = frozenset(
     """view view_as reshape reshape_as transpose permute contiguous detach clone abs neg
     squeeze unsqueeze flatten unflatten expand expand_as repeat repeat_interleave t narrow
     select index_select gather masked_fill masked_fill_ where flip roll chunk split
-    relu gelu silu tanh sigmoid clamp clamp_ clip sqrt square sin cos dropout pad
+    relu gelu silu elu leaky_relu selu celu mish hardtanh relu6 hardswish tanh sigmoid
+    clamp clamp_ clip sqrt square sin cos dropout pad
     cuda cpu pin_memory requires_grad_ add add_ sub sub_ mul mul_ div div_ maximum minimum
     max min amax amin cat stack concat mean var std nanmean median logsumexp interpolate
     avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d
@@ -122,6 +141,31 @@ LOW_PRECISION_MODULES: FrozenSet[str] = frozenset(
     for name in """Linear Bilinear LazyLinear Conv1d Conv2d Conv3d
     ConvTranspose1d ConvTranspose2d ConvTranspose3d""".split()
 )
+#: ``nn`` modules whose forward is one op of autocast's lists: their call is that op.
+MODULE_OPS: Dict[str, str] = {
+    **{qualname: "linear" for qualname in LOW_PRECISION_MODULES},
+    "torch.nn.PReLU": "prelu",
+    "torch.nn.LayerNorm": "layer_norm",
+    "torch.nn.GroupNorm": "group_norm",
+    "torch.nn.Softmax": "softmax",
+    "torch.nn.LogSoftmax": "log_softmax",
+    "torch.nn.Softmin": "softmin",
+    "torch.nn.Softplus": "softplus",
+    "torch.nn.CosineSimilarity": "cosine_similarity",
+}
+#: ``nn`` modules whose output has their input's dtype (on no autocast list; batch norm
+#: takes fp16 input beside fp32 weights and returns fp16).
+PRESERVING_MODULES: FrozenSet[str] = frozenset(
+    "torch.nn." + name
+    for name in """ReLU ReLU6 LeakyReLU ELU SELU CELU GELU SiLU Mish Tanh Sigmoid Hardtanh
+    Hardswish Hardsigmoid Dropout Dropout1d Dropout2d Dropout3d AlphaDropout Identity Flatten
+    Unflatten BatchNorm1d BatchNorm2d BatchNorm3d SyncBatchNorm InstanceNorm1d InstanceNorm2d
+    InstanceNorm3d MaxPool1d MaxPool2d MaxPool3d AvgPool1d AvgPool2d AvgPool3d
+    AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d
+    AdaptiveMaxPool3d Upsample PixelShuffle""".split()
+)
+#: How many module forwards (and functions) deep a call's output is followed.
+_MAX_FRAMES = 4
 #: Methods converting to the dtype named by (or of) their argument.
 CONVERSIONS = frozenset({"to", "type", "type_as"})
 #: Ops returning ``(values, indices)``: values keep the input's dtype.
@@ -151,7 +195,11 @@ class Dtypes:
         self.context = context
         self.names = context.names
         self.regions = context.regions
-        self._cache: Dict[nodes.NodeNG, Optional[str]] = {}
+        self._cache: Dict[Tuple[nodes.NodeNG, tuple], Optional[str]] = {}
+        #: The functions being followed from a call (a module's ``forward``, a function of
+        #: this module), each with the region its call runs in: autocast is dynamic, so
+        #: their code runs in their caller's region unless it opens its own.
+        self._frames: Tuple[Tuple[nodes.FunctionDef, Optional[Region]], ...] = ()
 
     def constant(self, expr: Optional[nodes.NodeNG]) -> Optional[str]:
         """The kind a dtype expression names (``torch.float16``, ``"torch.cuda.HalfTensor"``,
@@ -261,12 +309,128 @@ class Dtypes:
     def _of(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
         if depth > _MAX_DEPTH:
             return None
-        if expr in self._cache:
-            return self._cache[expr]
-        self._cache[expr] = None  # guards against cycles through re-assignment
+        key = (expr, self._frames)
+        if key in self._cache:
+            return self._cache[key]
+        self._cache[key] = None  # guards against cycles through re-assignment
         kind = self._compute(expr, depth + 1)
-        self._cache[expr] = kind
+        self._cache[key] = kind
         return kind
+
+    def region_at(self, node: nodes.NodeNG) -> Optional[Region]:
+        """The active autocast region at ``node`` for the dtype flow: in a function followed
+        from a call, its own region or else its caller's; elsewhere the region of the
+        module's call sites with gradients on (the training run: a function also called
+        from ``no_grad`` evaluation outside autocast still runs under autocast when it
+        trains)."""
+        frame = code_frame(node)
+        for function, caller_region in reversed(self._frames):
+            if function is frame:
+                found, region = self.regions.local_region(node)
+                region = region if found else caller_region
+                return region if region is not None and region.active else None
+        return self.regions.autocast_at(node, with_grad=True)
+
+    def _autocast_known_off(self, node: nodes.NodeNG) -> bool:
+        """No caller can have autocast on at ``node``: module-level code, or a function of
+        a script whose every call (in a followed frame, or in the module) is outside
+        regions."""
+        frame = code_frame(node)
+        if any(function is frame for function, _ in self._frames):
+            return True
+        if not isinstance(frame, nodes.FunctionDef):
+            return True
+        return bool(self.regions.call_sites(frame))
+
+    def _followed(self, function: nodes.FunctionDef, call: nodes.Call, depth: int) -> Optional[str]:
+        """The kind ``function`` returns when ``call`` runs it (a module's ``forward``, a
+        function of this module), in the region ``call`` runs in; None if unknown, for
+        recursion, or beyond :data:`_MAX_FRAMES` calls deep."""
+        returns = returned_values(function)
+        if not returns or len(self._frames) >= _MAX_FRAMES:
+            return None
+        if any(function is followed for followed, _ in self._frames):
+            return None
+        region = self.region_at(call)
+        saved = self._frames
+        self._frames = saved + ((function, region),)
+        try:
+            kinds = {self._of(value, depth) for value in returns}
+        finally:
+            self._frames = saved
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def _module_call(self, call: nodes.Call, depth: int) -> Optional[str]:
+        """``module(x)`` for a module whose construction is known (:meth:`Names.constructions`):
+        a class of this module runs its ``forward``; an ``nn`` module its op
+        (:data:`MODULE_OPS`, :data:`PRESERVING_MODULES`); ``nn.Sequential`` its elements in
+        turn. Every possible construction must agree."""
+        built = self.names.constructions(call.func)
+        if not built:
+            return None
+        first = call.args[0] if call.args and not isinstance(call.args[0], nodes.Starred) else None
+        kinds = set()
+        for construction in built:
+            kinds.add(self._module_output(construction, call, first, depth))
+            if None in kinds or len(kinds) > 1:
+                return None
+        return kinds.pop() if kinds else None
+
+    def _module_output(
+        self,
+        construction: nodes.NodeNG,
+        call: nodes.Call,
+        first: Optional[nodes.NodeNG],
+        depth: int,
+        input_kind: Optional[str] = None,
+        from_input: bool = True,
+    ) -> Optional[str]:
+        """The output kind of the module ``construction`` built, called at ``call``: its input
+        is ``first`` or (inside an ``nn.Sequential``, ``from_input`` False) of ``input_kind``."""
+        if depth > _MAX_DEPTH:
+            return None
+        if from_input:
+            input_kind = self._of(first, depth) if first is not None else None
+        classdef = self.names.construction_class(construction)
+        if classdef is not None:
+            forward = self.names.method_of(classdef, "forward")
+            return self._followed(forward, call, depth) if forward is not None else None
+        qualname = self.names.qualname(construction.func) or ""
+        if qualname in MODULE_OPS:
+            return self._autocast_output(call, MODULE_OPS[qualname], input_kind)
+        if qualname in PRESERVING_MODULES:
+            return input_kind
+        if qualname != "torch.nn.Sequential":
+            return None
+        items = self.names.container_items(construction)
+        if not items:
+            return None
+        if not any(isinstance(argument, nodes.Starred) for argument in construction.args):
+            kind = input_kind  # the elements in order, each fed the previous one's output
+            for item in items:
+                kind = self._element_output(item, call, depth, kind)
+            return kind
+        # Elements put into a list in an order the code does not show: each either keeps
+        # its input's dtype or produces one kind whatever its input; one must produce it.
+        produced = set()
+        for item in items:
+            for element in self.names.constructions(item) or [None]:
+                if element is None:
+                    return None
+                if self.names.qualname(getattr(element, "func", None)) in PRESERVING_MODULES:
+                    continue
+                produced.add(self._module_output(element, call, None, depth + 1, None, False))
+        return produced.pop() if len(produced) == 1 else None
+
+    def _element_output(
+        self, item: nodes.NodeNG, call: nodes.Call, depth: int, input_kind: Optional[str]
+    ) -> Optional[str]:
+        kinds = {
+            self._module_output(element, call, None, depth + 1, input_kind, False)
+            for element in self.names.constructions(item) or [None]
+            if element is not None
+        }
+        return kinds.pop() if len(kinds) == 1 and self.names.constructions(item) else None
 
     def _compute(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
         if isinstance(expr, nodes.Name):
@@ -296,6 +460,16 @@ class Dtypes:
             kinds = {self._of(expr.body, depth), self._of(expr.orelse, depth)}
             return kinds.pop() if len(kinds) == 1 else None
         return None
+
+    def _tensors(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
+        """The one kind of the tensors in the sequence ``torch.cat``/``torch.stack`` take
+        (``[a, b]``, ``[layer(x) for layer in self.layers]``); None if they differ."""
+        if isinstance(expr, (nodes.List, nodes.Tuple)) and expr.elts:
+            kinds = {self._of(element, depth) for element in expr.elts}
+            return kinds.pop() if len(kinds) == 1 else None
+        if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
+            return self._of(expr.elt, depth)
+        return self._of(expr, depth)
 
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
         kinds = set()
@@ -365,6 +539,8 @@ class Dtypes:
             bindings = self.names.reaching_bindings(expr)
             return bool(bindings) and all(self._binds_number(b, _depth) for b in bindings)
         if isinstance(expr, nodes.Attribute):
+            if self.parsed_arguments(expr.expr):
+                return True
             values = self.names.bound_values(expr)
             return bool(values) and all(self.is_number(v, _depth - 1) for v in values)
         if isinstance(expr, nodes.Subscript):
@@ -377,6 +553,28 @@ class Dtypes:
             qualname = self.names.qualname(expr.func) or ""
             return qualname.startswith("math.") or method_call(expr)[0] in NUMBER_METHODS
         return False
+
+    def parsed_arguments(self, expr: nodes.NodeNG, _depth: int = 4) -> bool:
+        """``expr`` holds the namespace of parsed command-line arguments (``args =
+        parser.parse_args()``, also as a parameter every call site in this module passes it
+        to, or kept as ``self.args``): its attributes are Python values (numbers, strings,
+        lists), never tensors; in arithmetic with a tensor, a Python number."""
+        if _depth <= 0:
+            return False
+        if isinstance(expr, nodes.Subscript):  # ``args, unknown = parser.parse_known_args()``
+            expr = expr.value
+        if isinstance(expr, nodes.Call):
+            return method_call(expr)[0] in ("parse_args", "parse_known_args")
+        values: Optional[List[nodes.NodeNG]] = None
+        if isinstance(expr, nodes.Name):
+            values = self.names.assigned_values(expr)
+            if values is None:
+                values = self.names.argument_values(expr)
+        elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
+            values = self.names.self_attribute_values(expr)
+        return bool(values) and all(
+            value is not None and self.parsed_arguments(value, _depth - 1) for value in values
+        )
 
     def _binds_number(self, binding: nodes.NodeNG, depth: int) -> bool:
         value = assigned_value(binding)
@@ -393,22 +591,17 @@ class Dtypes:
         callee = self.names.callee(call)
         if callee is not None and callee.qualname.startswith("torch."):
             if callee.instance:
-                if callee.qualname in LOW_PRECISION_MODULES:
-                    return self._autocast_output(call, "linear", None)
-                return None
+                return self._module_call(call, depth)
             return self._torch_function(call, callee, depth)
-        if isinstance(func, nodes.Attribute) and callee is None:
-            return self._method(call, func, depth)
-        if isinstance(func, nodes.Name):
-            return self._returned(call, depth)
-        return None
-
-    def _returned(self, call: nodes.Call, depth: int) -> Optional[str]:
-        """What a function of this module returns (``def build(): return Net().half()``)."""
         function = self.names.local_function(call)
-        returns = returned_values(function) if function is not None else None
-        kinds = {self._of(value, depth) for value in returns or ()}
-        return kinds.pop() if len(kinds) == 1 else None
+        if function is not None:
+            # what a function of this module returns (``def build(): return Net().half()``)
+            return self._followed(function, call, depth)
+        if isinstance(func, nodes.Attribute) and callee is None:
+            if self.names.constructions(func):
+                return self._module_call(call, depth)  # ``self.norm(x)``: a module, not a method
+            return self._method(call, func, depth)
+        return self._module_call(call, depth)  # ``model(x)``, ``self.layers[-1](x)``
 
     def _torch_function(self, call: nodes.Call, callee: Callee, depth: int) -> Optional[str]:
         op = callee.name
@@ -419,6 +612,8 @@ class Dtypes:
             return self._of(first, depth)
         if op in ("tensor", "as_tensor", "from_numpy"):
             return None
+        if op in ("cat", "concat", "stack") and first is not None:
+            return self._op(call, op, self._tensors(first, depth))
         return self._op(call, op, self._of(first, depth) if first is not None else None)
 
     def _method(self, call: nodes.Call, func: nodes.Attribute, depth: int) -> Optional[str]:
@@ -449,11 +644,16 @@ class Dtypes:
         """Output kind of ``op`` at ``node``: autocast's choice in a region (one enabled by a
         flag counts as on: kinds describe the program with mixed precision on), else the
         input's."""
-        region = self.regions.autocast_at(node)
+        region = self.region_at(node)
         if region is None:
+            if op in LOW_PRECISION_OPS and input_kind == FP32:
+                # fp32 unless a caller elsewhere runs it under autocast
+                return FP32 if self._autocast_known_off(node) else None
             return input_kind
         if op in LOW_PRECISION_OPS:
             return region.dtype or LOW
+        if region.device not in (CUDA, CPU) and (op in CUDA_FP32_OPS) != (op in CPU_FP32_OPS):
+            return None  # fp32 on one device, the input's dtype on the other
         if autocast_fp32_op(op, region):
             return FP32
         return input_kind

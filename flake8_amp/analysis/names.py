@@ -40,6 +40,24 @@ REGISTER_METHODS = {"register_buffer": "tensor", "register_parameter": "param"}
 #: How many alias hops are followed before giving up (``a = b``, ``b = c``...).
 _MAX_DEPTH = 8
 
+#: Calls returning a module that runs the module they are given (its ``forward``): the
+#: wrapped one is reached again as ``.module`` (DDP, DataParallel) or ``._orig_mod``.
+MODULE_WRAPPERS = frozenset(
+    {
+        "torch.nn.parallel.DistributedDataParallel",
+        "torch.nn.parallel.distributed.DistributedDataParallel",
+        "torch.nn.DataParallel",
+        "torch.nn.parallel.DataParallel",
+        "torch.compile",
+        "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
+    }
+)
+WRAPPED_ATTRIBUTES = frozenset({"module", "_orig_mod"})
+#: Containers of modules: their elements are reached by iteration and indexing.
+MODULE_CONTAINERS = frozenset({"torch.nn.ModuleList", "torch.nn.Sequential", "torch.nn.ModuleDict"})
+#: List methods that add elements (the list's other uses must only read it).
+_LIST_ADDERS = frozenset({"append", "extend", "insert"})
+
 
 def canonical(qualname: str) -> str:
     """``torch.nn.modules.loss.BCELoss`` -> ``torch.nn.BCELoss`` (public spelling)."""
@@ -102,6 +120,7 @@ class Names:
         self._callees: Dict[nodes.Call, Optional[Callee]] = {}
         self._mros: Dict[nodes.ClassDef, Optional[Tuple[MroEntry, ...]]] = {}
         self._sharing_self: Dict[nodes.FunctionDef, Optional[List[nodes.FunctionDef]]] = {}
+        self._constructions: Dict[nodes.NodeNG, Optional[List[nodes.NodeNG]]] = {}
 
     # -- calls -------------------------------------------------------------------------
 
@@ -132,16 +151,31 @@ class Names:
         if isinstance(func, nodes.Attribute) and is_self(func.expr):
             owner = enclosing_class(call)
             return self.method_of(owner, func.attrname) if owner is not None else None
+        if isinstance(func, nodes.Attribute) and func.attrname not in _RETURNS_SELF:
+            # ``model.encode(x)`` for ``model = Net()``: unless ``encode`` is an attribute
+            # holding something else (``self.encode = nn.Linear(...)``)
+            owner = self.local_class(func.expr)
+            if owner is not None and func.attrname not in self._self_attributes(owner):
+                return self.method_of(owner, func.attrname)
         return None
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its
-        class and in the subclasses that inherit it."""
-        return [
+        class and in the subclasses that inherit it; for an ``__init__``, the calls of its
+        class (``Trainer(model, args)``)."""
+        sites = [
             call
             for call in self.calls_by_name.get(function.name, ())
             if self.local_function(call) is function
         ]
+        owner = function.parent
+        if function.name == "__init__" and isinstance(owner, nodes.ClassDef):
+            sites.extend(
+                call
+                for call in self.calls_by_name.get(owner.name, ())
+                if self._called_class(call) is owner
+            )
+        return sites
 
     def parameter_call_sites(self, name: nodes.Name) -> List[nodes.Call]:
         """The call sites in this module of the function whose parameter ``name`` is."""
@@ -160,8 +194,8 @@ class Names:
             return None
         arguments = self.bindings(name)[0].parent
         positional = [a.name for a in arguments.posonlyargs + arguments.args]
-        if sites and isinstance(sites[0].func, nodes.Attribute):
-            positional = positional[1:]  # ``self.f(...)`` binds ``self``
+        if _binds_self(arguments.parent):
+            positional = positional[1:]  # ``self.f(...)`` and ``Cls(...)`` bind ``self``
         values = []
         for call in sites:
             if any(isinstance(a, nodes.Starred) for a in call.args) or any(
@@ -419,32 +453,11 @@ class Names:
     def local_class(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[nodes.ClassDef]:
         """The class defined in this module whose call built ``expr``'s object, if any
         (``Net(...)``, ``model`` after ``model = Net(...).to(device)``, ``self.criterion``
-        after ``self.criterion = DiceLoss()``)."""
-        if _depth > _MAX_DEPTH:
-            return None
-        if isinstance(expr, nodes.Call):
-            expr = chain_root(expr, _RETURNS_SELF)
-        if isinstance(expr, nodes.Call) and isinstance(expr.func, nodes.Name):
-            classes = [b for b in self.bindings(expr.func) if isinstance(b, nodes.ClassDef)]
-            return classes[0] if len(classes) == 1 else None
-        if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
-            values = self.self_attribute_values(expr)
-        elif isinstance(expr, nodes.Name):
-            statement = expr.statement()
-            bindings = self.bindings(expr)
-            if len(bindings) == 1 and isinstance(bindings[0].parent, nodes.Arguments):
-                return self._annotated_class(bindings[0])
-            values = [
-                assigned_value(binding)
-                for binding in bindings
-                if binding.statement() is not statement
-            ]
-        else:
-            return None
-        built = {
-            self.local_class(v, _depth + 1) if isinstance(v, nodes.Call) else None for v in values
-        }
-        return built.pop() if len(built) == 1 else None
+        after ``self.criterion = DiceLoss()``, ``model: Net``, ``DDP(model).module``): the
+        one class of its :meth:`constructions`."""
+        built = self.constructions(expr, _depth)
+        classes = {self.construction_class(c) for c in built or ()}
+        return classes.pop() if len(classes) == 1 else None
 
     def _annotated_class(self, parameter: nodes.AssignName) -> Optional[nodes.ClassDef]:
         """The class of this module a parameter is annotated with (``model: Net``)."""
@@ -462,6 +475,236 @@ class Names:
                     ]
                     return classes[0] if len(classes) == 1 else None
         return None
+
+    def constructions(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[List[nodes.NodeNG]]:
+        """The calls that may have built the module object ``expr`` refers to: a class of this
+        module called (``Net(...)``) or a ``torch.nn`` one (``nn.Sequential(...)``), or, for a
+        parameter annotated ``model: Net``, that class. Followed: names, ``self.<x>`` and
+        ``obj.<x>`` attributes, methods returning the module itself (``.cuda()``), wrappers
+        (``DDP(model)``, ``torch.compile(model)``, and their ``.module`` / ``._orig_mod``),
+        and the elements of ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` reached
+        by iteration (``for layer in self.layers``, ``enumerate(...)``) or indexing. None
+        when some possibility is unknown."""
+        if expr in self._constructions:
+            return self._constructions[expr]
+        if _depth > _MAX_DEPTH:
+            return None
+        self._constructions[expr] = None  # a cycle (``self.m = self.m.cuda()``) is unknown
+        built = self._constructions[expr] = self._compute_constructions(expr, _depth + 1)
+        return built
+
+    def _compute_constructions(
+        self, expr: nodes.NodeNG, depth: int
+    ) -> Optional[List[nodes.NodeNG]]:
+        while (
+            isinstance(expr, nodes.Call)
+            and isinstance(expr.func, nodes.Attribute)
+            and expr.func.attrname in _RETURNS_SELF
+            and self.qualname(expr.func) is None
+        ):
+            expr = expr.func.expr
+        if isinstance(expr, nodes.Call):
+            qualname = self.qualname(expr.func) or ""
+            if qualname in MODULE_WRAPPERS:
+                wrapped = call_argument(expr, 0, "module")
+                return self.constructions(wrapped, depth) if wrapped is not None else None
+            if (qualname.startswith("torch.nn.") and last_part(qualname)[:1].isupper()) or (
+                isinstance(expr.func, nodes.Name) and self._called_class(expr) is not None
+            ):
+                return [expr]
+            return None
+        if isinstance(expr, nodes.Subscript):
+            containers = self.constructions(expr.value, depth)
+            return self._elements(containers, depth) if containers else None
+        if isinstance(expr, nodes.Attribute) and expr.attrname in WRAPPED_ATTRIBUTES:
+            inner = self.constructions(expr.expr, depth)
+            if inner and all(self._without_attribute(c, expr.attrname) for c in inner):
+                return inner
+        if isinstance(expr, nodes.Name):
+            found: List[nodes.NodeNG] = []
+            statement = expr.statement()
+            bindings = [
+                b
+                for b in self.reaching_bindings(expr)
+                if b.statement() is not statement or isinstance(b.parent, nodes.Comprehension)
+            ]
+            for binding in bindings:
+                built = self._binding_constructions(binding, depth)
+                if not built:
+                    return None
+                found.extend(built)
+            return found or None
+        values = self.bound_values(expr) if isinstance(expr, nodes.Attribute) else None
+        if not values:
+            return None
+        found = []
+        for value in values:
+            built = self.constructions(value, depth) if value is not None else None
+            if not built:
+                return None
+            found.extend(built)
+        return found
+
+    def _binding_constructions(
+        self, binding: nodes.NodeNG, depth: int
+    ) -> Optional[List[nodes.NodeNG]]:
+        value = assigned_value(binding)
+        if value is not None:
+            return self.constructions(value, depth)
+        parent = binding.parent
+        if isinstance(parent, nodes.Arguments):
+            annotated = self._annotated_class(binding)
+            return [annotated] if annotated is not None else None
+        position = None
+        if isinstance(parent, nodes.Tuple) and len(parent.elts) == 2:
+            position, parent = parent.elts.index(binding), parent.parent
+        if not isinstance(parent, (nodes.For, nodes.Comprehension)):
+            return None
+        iterable = parent.iter
+        if position is not None:
+            # ``for i, layer in enumerate(self.layers)``
+            if not (
+                isinstance(iterable, nodes.Call)
+                and isinstance(iterable.func, nodes.Name)
+                and iterable.func.name == "enumerate"
+                and not self.bindings(iterable.func)
+                and iterable.args
+                and position == 1
+            ):
+                return None
+            iterable = iterable.args[0]
+        containers = self.constructions(iterable, depth)
+        if not containers or any(
+            self.qualname(c.func) == "torch.nn.ModuleDict" for c in containers
+        ):
+            return None  # iterating a ModuleDict gives its keys
+        return self._elements(containers, depth)
+
+    def _elements(self, containers: List[nodes.NodeNG], depth: int) -> Optional[List[nodes.NodeNG]]:
+        """The constructions of the modules held by module containers."""
+        found: List[nodes.NodeNG] = []
+        for container in containers:
+            items = self.container_items(container)
+            if items is None:
+                return None
+            for item in items:
+                built = self.constructions(item, depth)
+                if not built:
+                    return None
+                found.extend(built)
+        return found or None
+
+    def container_items(self, container: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """The expressions of the modules an ``nn.ModuleList`` / ``nn.Sequential`` /
+        ``nn.ModuleDict`` construction holds, in order where the code shows it (a
+        comprehension's element stands for all; a list spread in, ``nn.Sequential(*layers)``,
+        gives what was put in it, see :meth:`list_items`); None if unknown."""
+        if not isinstance(container, nodes.Call):
+            return None
+        qualname = self.qualname(container.func)
+        if qualname not in MODULE_CONTAINERS or container.keywords:
+            return None
+        if qualname == "torch.nn.Sequential":
+            arguments = list(container.args)
+        elif len(container.args) == 1:
+            arguments = [container.args[0]]
+        else:
+            return None
+        items: List[nodes.NodeNG] = []
+        for argument in arguments:
+            if qualname == "torch.nn.Sequential" and not isinstance(argument, nodes.Starred):
+                items.append(argument)
+                continue
+            source = argument.value if isinstance(argument, nodes.Starred) else argument
+            if isinstance(source, nodes.Dict) and qualname == "torch.nn.ModuleDict":
+                items.extend(value for _, value in source.items)
+                continue
+            held = self.list_items(source)
+            if held is None:
+                return None
+            items.extend(held)
+        return items
+
+    def list_items(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """What a list holds: a literal's elements, a comprehension's element, or for a
+        name every element put into it in its function (``layers = []``, ``.append(x)``,
+        ``.extend([...])``, ``.insert(i, x)``, ``layers += [...]``), in source order; None
+        if the list may hold something else (another use than reading it whole)."""
+        if isinstance(expr, (nodes.List, nodes.Tuple)):
+            if any(isinstance(e, nodes.Starred) for e in expr.elts):
+                return None
+            return list(expr.elts)
+        if isinstance(expr, nodes.ListComp):
+            return [expr.elt]
+        if not isinstance(expr, nodes.Name):
+            return None
+        bindings = self.bindings(expr)
+        if not bindings:
+            return None
+        frame = bindings[0].frame()
+        items: List[nodes.NodeNG] = []
+        for binding in bindings:
+            if binding.frame() is not frame or not isinstance(
+                _list_binding_value(binding), (nodes.List, nodes.Tuple, nodes.ListComp)
+            ):
+                return None
+        for use in frame.nodes_of_class((nodes.Name, nodes.AssignName)):
+            if use.name != expr.name or use.frame() is not frame:
+                continue
+            if isinstance(use, nodes.AssignName):
+                value = _list_binding_value(use)
+                held = self.list_items(value) if value is not None else None
+            else:
+                held = self._list_use(use)
+            if held is None:
+                return None
+            items.extend(held)
+        return items
+
+    def _list_use(self, use: nodes.Name) -> Optional[List[nodes.NodeNG]]:
+        """What a use of a list name adds to it ([] for a read); None if it may change it
+        otherwise."""
+        parent = use.parent
+        if isinstance(parent, nodes.Attribute) and parent.expr is use:
+            call = parent.parent
+            if not isinstance(call, nodes.Call) or call.func is not parent:
+                return None
+            if parent.attrname == "append" and len(call.args) == 1:
+                return [call.args[0]]
+            if parent.attrname == "insert" and len(call.args) == 2:
+                return [call.args[1]]
+            if parent.attrname == "extend" and len(call.args) == 1:
+                return self.list_items(call.args[0]) if call.args[0] is not use else None
+            return None
+        if isinstance(parent, nodes.Starred):
+            parent = parent.parent
+        if isinstance(parent, nodes.Call) and use is not parent.func:
+            qualname = self.qualname(parent.func) or ""
+            builtin = isinstance(parent.func, nodes.Name) and not self.bindings(parent.func)
+            if qualname in MODULE_CONTAINERS or (builtin and parent.func.name == "len"):
+                return []
+        return None
+
+    def _called_class(self, call: nodes.Call) -> Optional[nodes.ClassDef]:
+        """The class of this module that ``call`` (``Net(...)``) instantiates."""
+        if not isinstance(call.func, nodes.Name):
+            return None
+        classes = [b for b in self.bindings(call.func) if isinstance(b, nodes.ClassDef)]
+        return classes[0] if len(classes) == 1 else None
+
+    def construction_class(self, construction: nodes.NodeNG) -> Optional[nodes.ClassDef]:
+        """The class of this module a construction (:meth:`constructions`) builds."""
+        if isinstance(construction, nodes.ClassDef):
+            return construction
+        return self._called_class(construction) if isinstance(construction, nodes.Call) else None
+
+    def _without_attribute(self, construction: nodes.NodeNG, attribute: str) -> bool:
+        """A module built by ``construction`` is a wrapper's view: ``.module`` on it is the
+        module (its class, when of this module, sets no ``self.<attribute>``)."""
+        classdef = self.construction_class(construction)
+        if classdef is None:
+            return False
+        return attribute not in self._self_attributes(classdef)
 
     def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
         """Values assigned (or registered as a buffer or parameter) to ``self.<attr>``
@@ -780,6 +1023,30 @@ def bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     if isinstance(parent, nodes.Assign):
         return parent.value
     return None
+
+
+def _list_binding_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """The list a binding puts in a name (``layers = []``, ``layers, dim = [], 2048``) or
+    adds to it (``layers += [...]``)."""
+    value = assigned_value(binding)
+    if value is not None:
+        return value
+    if isinstance(binding.parent, nodes.AugAssign):
+        return binding.parent.value if binding.parent.op == "+=" else None
+    unpacked = unpacked_value(binding)
+    if unpacked is not None and isinstance(unpacked[0], (nodes.Tuple, nodes.List)):
+        return unpacked[0].elts[unpacked[1]]
+    return None
+
+
+def _binds_self(function: nodes.NodeNG) -> bool:
+    """``function`` is a method whose first parameter its calls do not pass."""
+    if not isinstance(function, nodes.FunctionDef):
+        return False
+    if not isinstance(function.parent, nodes.ClassDef):
+        return False
+    decorators = function.decorators.nodes if function.decorators else []
+    return not any(isinstance(d, nodes.Name) and d.name == "staticmethod" for d in decorators)
 
 
 def is_self(expr: nodes.NodeNG) -> bool:

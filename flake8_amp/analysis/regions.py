@@ -103,6 +103,24 @@ class Regions:
         region = self.region_at(node, with_grad)
         return region if region is not None and region.active else None
 
+    def local_region(self, node: nodes.NodeNG) -> Tuple[bool, Optional[Region]]:
+        """``(True, region)`` when a region opened inside ``node``'s own function (a
+        ``with`` there, or a decorator of the function) encloses it; ``(False, None)`` when
+        the region at ``node`` is the one its caller runs it in."""
+        child, parent = node, node.parent
+        while parent is not None:
+            if isinstance(parent, nodes.With) and not _is_with_item(parent, child):
+                region = self.opened_by(parent)
+                if region is not None:
+                    return True, region
+            elif isinstance(parent, nodes.FunctionDef) and _in_body(parent, child):
+                region = self.opened_by(parent)
+                return (True, region) if region is not None else (False, None)
+            elif isinstance(parent, (nodes.ClassDef, nodes.Module)):
+                return False, None
+            child, parent = parent, parent.parent
+        return False, None
+
     def opened_by(self, node: nodes.NodeNG) -> Optional[Region]:
         """The region a ``with`` statement or a decorated function opens, if any."""
         if node not in self._opened:
@@ -154,7 +172,7 @@ class Regions:
         if function in visiting:
             return None
         visiting.add(function)
-        sites = self._call_sites(function)
+        sites = self.call_sites(function)
         if with_grad:
             sites = [call for call in sites if not self.context.grad.no_grad_at(call)]
         regions = [self._region_at(call, visiting, with_grad) for call in sites]
@@ -164,7 +182,7 @@ class Regions:
         self._inherited[key] = inherited
         return inherited
 
-    def _call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
+    def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         sites = self.names.call_sites(function)
         owner = function.parent
         if function.name == "forward" and isinstance(owner, nodes.ClassDef):

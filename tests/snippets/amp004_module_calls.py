@@ -1,0 +1,285 @@
+# AMP004 through module calls: the output of a module whose construction is known in this file.
+import argparse
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from elsewhere import Backbone
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--temperature", type=float, default=0.07)
+args = parser.parse_args()
+
+
+class Projection(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class NormedProjection(nn.Module):
+    """Ends in LayerNorm: fp32 under CUDA autocast, low precision under CPU autocast."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+class SoftmaxHead(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return F.softmax(self.fc(x), dim=-1)
+
+
+class Fp32Island(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        with torch.autocast("cuda", enabled=False):
+            return self.fc(x.float())
+
+
+class Heads(nn.Module):
+    def __init__(self, dim, n):
+        super().__init__()
+        self.heads = nn.ModuleList([Projection(dim) for _ in range(n)])
+        self.named = nn.ModuleDict({"a": nn.Linear(dim, dim)})
+
+    def forward(self, x):
+        return torch.stack([head(x) for head in self.heads]).mean(0)  # AMP004
+
+    def last(self, x):
+        return self.heads[-1](x)
+
+
+def build_mlp(dims):
+    layers, dim = [], dims[0]
+    for i, out in enumerate(dims[1:]):
+        layers.append(nn.Linear(dim, out))
+        if i < len(dims) - 2:
+            layers += [nn.BatchNorm1d(out), nn.ReLU()]
+        dim = out
+    return nn.Sequential(*layers)
+
+
+# ---- positives --------------------------------------------------------------------
+
+
+def local_class_under_autocast(x):
+    model = Projection(64).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model(x)
+        return z.mean()  # AMP004
+
+
+def sequential_literal(x):
+    mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1))
+    with torch.autocast("cuda"):
+        return mlp(x).std(dim=0)  # AMP004
+
+
+class SequentialBuiltInLoop(nn.Module):
+    def __init__(self, dims):
+        super().__init__()
+        layers, dim = [], dims[0]
+        for i, out in enumerate(dims[1:]):
+            layers.append(nn.Linear(dim, out))
+            if i < len(dims) - 2:
+                layers += [nn.BatchNorm1d(out), nn.ReLU(inplace=True)]
+            dim = out
+        self.projector = nn.Sequential(*layers)
+
+    def spread(self, x):
+        with torch.autocast("cuda"):
+            return self.projector(x).std(dim=0)  # AMP004
+
+
+def ddp_module_attribute(x, rank):
+    model = DistributedDataParallel(Projection(64).cuda(), device_ids=[rank])
+    with torch.autocast("cuda"):
+        z = model.module.fc2(model.module.fc1(x))
+        return z.var(dim=0)  # AMP004
+
+
+def compiled_model(x):
+    model = torch.compile(Projection(64))
+    with torch.autocast("cuda", dtype=torch.float16):
+        return model(x).mean()  # AMP004
+
+
+def normed_under_cpu_autocast(x):
+    model = NormedProjection(64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x).mean()  # AMP004
+
+
+def annotated_model(model: Projection, x):
+    with torch.autocast("cuda"):
+        return model(x).mean(dim=1)  # AMP004
+
+
+def heads_under_autocast(x):
+    model = Heads(64, 4)
+    with torch.autocast("cuda"):
+        return model(x)
+
+
+def module_list_indexed(heads: Heads, x):
+    with torch.autocast("cuda"):
+        return heads.last(x).var()  # AMP004
+
+
+def argparse_temperature(q, k):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = torch.mm(q, k.t()) / args.temperature
+        return logits.std(dim=1)  # AMP004
+
+
+class Trainer:
+    def __init__(self, model, opts):
+        self.model = model
+        self.opts = opts
+
+    def step(self, q, k):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = (q @ k.t()) * self.opts.temperature
+            return logits.mean(dim=1)  # AMP004
+
+
+def make_trainer(model):
+    return Trainer(model, parser.parse_args())
+
+
+def helper_function_output(x, w):
+    with torch.autocast("cuda"):
+        return project(x, w).mean()  # AMP004
+
+
+def project(x, w):
+    return F.linear(x, w)
+
+
+# ---- negatives --------------------------------------------------------------------
+
+
+def layer_norm_last_under_cuda(x):
+    model = NormedProjection(64)
+    with torch.autocast("cuda", dtype=torch.float16):
+        return model(x).mean()
+
+
+def softmax_last_under_cuda(x):
+    model = SoftmaxHead(64)
+    with torch.autocast("cuda"):
+        return model(x).mean(dim=0)
+
+
+def layer_norm_last_device_unknown(x, device):
+    model = NormedProjection(64)
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        return model(x).mean()
+
+
+def upcast_first(x):
+    model = Projection(64)
+    with torch.autocast("cuda"):
+        return model(x).float().mean()
+
+
+def fp32_outside_autocast(x):
+    model = Projection(64)
+    return model(x).mean()
+
+
+def module_from_elsewhere(x):
+    model = Backbone()
+    with torch.autocast("cuda"):
+        return model(x).mean()
+
+
+def fp32_island_in_forward(x):
+    model = Fp32Island(64)
+    with torch.autocast("cuda"):
+        return model(x).mean()
+
+
+def sequential_may_end_in_layer_norm(x, dims):
+    layers = []
+    for d in dims:
+        layers += [nn.Linear(d, d), nn.LayerNorm(d)]
+    mlp = nn.Sequential(*layers)
+    with torch.autocast("cuda"):
+        return mlp(x).std()
+
+
+def sequential_list_changed_elsewhere(x, dims):
+    layers = [nn.Linear(d, d) for d in dims]
+    extend_with_norms(layers)
+    mlp = nn.Sequential(*layers)
+    with torch.autocast("cuda"):
+        return mlp(x).std()
+
+
+def extend_with_norms(layers):
+    layers.append(nn.LayerNorm(8))
+
+
+def config_attribute_is_a_tensor(x):
+    cfg = SimpleNamespace(class_weights=torch.ones(64))
+    model = Projection(64)
+    with torch.autocast("cuda"):
+        weighted = model(x) * cfg.class_weights
+        return weighted.mean()
+
+
+def fp32_tensor_attribute(q, k, prior):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = torch.mm(q, k.t()) * prior.weights
+        return logits.mean(dim=1)
+
+
+@torch.no_grad()
+def evaluation_statistic(x):
+    model = Projection(64)
+    with torch.autocast("cuda"):
+        return model(x).mean().item()
+
+
+def module_dict_keys(heads: Heads, x):
+    with torch.autocast("cuda"):
+        return torch.stack([torch.as_tensor(len(name)) for name in heads.named]).float().mean()
+
+
+def returned_fp32(x):
+    with torch.autocast("cuda"):
+        return project(x.float(), x.float()).float().mean()
+
+
+class RecursiveModule(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.child = RecursiveModule(dim) if dim > 1 else None
+
+    def forward(self, x):
+        return self.child(x) if self.child is not None else x
+
+    def stat(self, x):
+        with torch.autocast("cuda"):
+            return self(x).mean()
