@@ -342,11 +342,21 @@ class Dtypes:
             return True
         return bool(self.regions.call_sites(frame))
 
-    def _followed(self, function: nodes.FunctionDef, call: nodes.Call, depth: int) -> Optional[str]:
+    def _followed(
+        self, function: nodes.FunctionDef, call: nodes.Call, depth: int, element: int = -1
+    ) -> Optional[str]:
         """The kind ``function`` returns when ``call`` runs it (a module's ``forward``, a
-        function of this module), in the region ``call`` runs in; None if unknown, for
-        recursion, or beyond :data:`_MAX_FRAMES` calls deep."""
+        function of this module), in the region ``call`` runs in -- or, with ``element``, the
+        kind of that element of the tuple it returns (``out, hs = decode(h)``); None if
+        unknown, for recursion, or beyond :data:`_MAX_FRAMES` calls deep."""
         returns = returned_values(function)
+        if returns and element >= 0:
+            if not all(isinstance(v, (nodes.Tuple, nodes.List)) for v in returns):
+                return None
+            sizes = {len(v.elts) for v in returns}
+            if len(sizes) != 1 or element >= sizes.pop():
+                return None
+            returns = [v.elts[element] for v in returns]
         if not returns or len(self._frames) >= _MAX_FRAMES:
             return None
         if any(function is followed for followed, _ in self._frames):
@@ -485,14 +495,20 @@ class Dtypes:
         return self._of(value, depth) if value is not None else self._unpacked(binding, depth)
 
     def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
-        """``a, b = x.half(), y`` (the element) or ``top, idx = x.topk(k)`` (x's dtype, ints)."""
+        """``a, b = x.half(), y`` (the element), ``top, idx = x.topk(k)`` (x's dtype, ints), or
+        ``out, hs = decode(h)`` of a function of this module (that element of its return)."""
         unpacked = unpacked_value(binding)
         if unpacked is None:
             return None
         value, index = unpacked
         if isinstance(value, (nodes.Tuple, nodes.List)):
             return self._of(value.elts[index], depth)
-        method, receiver = method_call(value) if isinstance(value, nodes.Call) else ("", None)
+        if not isinstance(value, nodes.Call):
+            return None
+        function = self.names.local_function(value)
+        if function is not None:
+            return self._followed(function, value, depth, element=index)
+        method, receiver = method_call(value)
         if method in VALUES_AND_INDICES and receiver is not None and index < 2:
             return INT if index == 1 else self._of(receiver, depth)
         return None

@@ -32,7 +32,10 @@ _CANONICAL_PREFIXES: Tuple[Tuple[str, str], ...] = (
 
 _PARTIAL = frozenset({"functools.partial"})
 #: ``nn.Module`` methods that return the module itself.
-_RETURNS_SELF = frozenset({"to", "cuda", "cpu", "train", "eval", "requires_grad_", "share_memory"})
+_RETURNS_SELF = frozenset(
+    {"to", "cuda", "cpu", "train", "eval", "requires_grad_", "share_memory", "half",
+     "bfloat16", "float", "double"}
+)
 
 #: ``nn.Module`` methods that bind ``self.<name>`` to a value: (method, value's keyword).
 REGISTER_METHODS = {"register_buffer": "tensor", "register_parameter": "param"}
@@ -305,8 +308,10 @@ class Names:
         """The statements that may bind ``name`` where it is used (astroid scope lookup).
 
         Import nodes, function/class definitions, or ``AssignName`` nodes; empty for
-        builtins and unknown names.
+        builtins and unknown names. A binding (``AssignName``) binds itself.
         """
+        if isinstance(name, nodes.AssignName):
+            return [name]
         found = self._bindings.get(name)
         if found is None and not _defined_in_module(name):
             # A builtin or an undefined name: skip astroid's lookup in builtins.
@@ -478,8 +483,9 @@ class Names:
 
     def constructions(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[List[nodes.NodeNG]]:
         """The calls that may have built the module object ``expr`` refers to: a class of this
-        module called (``Net(...)``) or a ``torch.nn`` one (``nn.Sequential(...)``), or, for a
-        parameter annotated ``model: Net``, that class. Followed: names, ``self.<x>`` and
+        module called (``Net(...)``) or a ``torch.nn`` one (``nn.Sequential(...)``); for a
+        parameter, the class it is annotated with (``model: Net``) or what every call site here
+        passes (``train(model)`` after ``model = Net().cuda()``). Followed: names, ``self.<x>`` and
         ``obj.<x>`` attributes, methods returning the module itself (``.cuda()``), wrappers
         (``DDP(model)``, ``torch.compile(model)``, and their ``.module`` / ``._orig_mod``),
         and the elements of ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` reached
@@ -554,7 +560,16 @@ class Names:
         parent = binding.parent
         if isinstance(parent, nodes.Arguments):
             annotated = self._annotated_class(binding)
-            return [annotated] if annotated is not None else None
+            if annotated is not None:
+                return [annotated]
+            # ``train(model, ...)`` called here with ``model = Net().cuda()``
+            found = []
+            for argument in self.argument_values(binding) or [None]:
+                built = self.constructions(argument, depth) if argument is not None else None
+                if not built:
+                    return None
+                found.extend(built)
+            return found
         position = None
         if isinstance(parent, nodes.Tuple) and len(parent.elts) == 2:
             position, parent = parent.elts.index(binding), parent.parent

@@ -283,3 +283,90 @@ class RecursiveModule(nn.Module):
     def stat(self, x):
         with torch.autocast("cuda"):
             return self(x).mean()
+
+
+class Scorer(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.src = nn.Linear(dim, dim)
+        self.dst = nn.Linear(dim, dim)
+
+
+def score_pairs(scorer, h, pairs):
+    hs = scorer.src(h[pairs[0]])
+    hd = scorer.dst(h[pairs[1]])
+    return hs * hd, hs, hd
+
+
+def train_pairs_unpacked(h, pairs, optimizer):
+    scorer = Scorer(64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, hs, hd = score_pairs(scorer, h, pairs)
+        reg = hs.pow(2).mean() + hd.pow(2).mean()  # AMP004
+    (scores.float().sum() + reg).backward()
+    optimizer.step()
+
+
+def train_pairs_unpacked_upcast(h, pairs, optimizer):
+    scorer = Scorer(64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, hs, hd = score_pairs(scorer, h, pairs)
+        reg = hs.float().pow(2).mean() + hd.float().pow(2).mean()
+    (scores.float().sum() + reg).backward()
+    optimizer.step()
+
+
+def projection_step(model, x, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.proj(x)
+        spread = z.std(dim=0).mean()  # AMP004
+    spread.backward()
+    optimizer.step()
+
+
+def normed_projection_step(model, x, optimizer):
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.proj(x)
+        spread = z.std(dim=0).mean()
+    spread.backward()
+    optimizer.step()
+
+
+class WithProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = Projection(64)
+
+
+class WithNormedProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = NormedProjection(64)
+
+
+def run_projection_steps(x, optimizer):
+    projection_step(WithProjection().cuda(), x, optimizer)
+    normed_projection_step(WithNormedProjection().cuda(), x, optimizer)
+
+
+def mixed_models_step(model, x, optimizer):
+    """Called with models of two classes: one ends in LayerNorm, so the dtype is unknown."""
+    with torch.autocast("cuda", dtype=torch.float16):
+        z = model.proj(x)
+        spread = z.std(dim=0).mean()
+    spread.backward()
+    optimizer.step()
+
+
+def run_mixed_models(x, optimizer):
+    mixed_models_step(WithProjection(), x, optimizer)
+    mixed_models_step(WithNormedProjection(), x, optimizer)
+
+
+def linear_probe_half_head(feats, target, optimizer):
+    head = nn.Linear(64, 10).cuda().half()
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = head(feats)
+        penalty = logits.var(dim=1).mean()  # AMP004
+    (F.cross_entropy(logits, target) + penalty).backward()
+    optimizer.step()
