@@ -122,6 +122,10 @@ class PathState:
     #: Keys of optimizers ``scaler.step`` has stepped since the last backward, updated or
     #: not: a plain step of one of them steps the same gradients again.
     stepped: FrozenSet[str] = frozenset()
+    #: Keys of the objects whose ``zero_grad()`` ran since the last scaled backward
+    #: (optimizers, models): an optimizer zeroed there, or whose models all were, steps
+    #: only gradients of later plain backward passes.
+    zeroed: FrozenSet[str] = frozenset()
     #: ``scaler.step(...)`` calls not yet followed by ``scaler.update()`` on this path.
     pending_steps: FrozenSet[nodes.Call] = frozenset()
     #: Names currently bound to a scaled loss (``loss = scaler.scale(loss)``).
@@ -187,14 +191,23 @@ class ScalerFlow:
 
     # -- queries -----------------------------------------------------------------------
 
-    def phases_before(self, call: nodes.Call) -> FrozenSet[Optional[str]]:
-        return frozenset(state.phase for state in self.states_before.get(call, ()))
+    def phases_before(
+        self, call: nodes.Call, unless_zeroed: Sequence[FrozenSet[str]] = ()
+    ) -> FrozenSet[Optional[str]]:
+        """The phases the paths to ``call`` may be in; with ``unless_zeroed``, a path on which
+        every key of one of those sets had ``zero_grad()`` run since the last scaled backward
+        counts as holding no scaled gradients (``opt.zero_grad(); loss.backward()`` before
+        ``opt.step()``: what the scaled backward left in its parameters is gone)."""
+        return frozenset(
+            None if any(keys and keys <= state.zeroed for keys in unless_zeroed) else state.phase
+            for state in self.states_before.get(call, ())
+        )
 
     def stepped_before(self, call: nodes.Call, optimizer_key: str) -> bool:
-        """Every path to ``call`` already ran ``scaler.step(<optimizer_key>)`` since the last
-        backward (with or without ``scaler.update()`` after it)."""
-        states = self.states_before.get(call, ())
-        return bool(states) and all(optimizer_key in state.stepped for state in states)
+        """Some path to ``call`` already ran ``scaler.step(<optimizer_key>)`` since the last
+        backward and the last ``<optimizer_key>.zero_grad()`` (with or without
+        ``scaler.update()`` after it): a plain step there applies the same gradients again."""
+        return any(optimizer_key in state.stepped for state in self.states_before.get(call, ()))
 
     def scaled_on_entry(self, call: nodes.Call) -> bool:
         """Gradients are scaled when ``call`` runs though no scaled backward precedes it here
@@ -354,12 +367,20 @@ class ScalerFlow:
                 self.scaled_backwards.append(call)
             return frozenset(
                 (
-                    replace(state, phase=SCALED, stepped=frozenset())
+                    replace(state, phase=SCALED, stepped=frozenset(), zeroed=frozenset())
                     if self._is_scaled(backpropagated, state)
                     else replace(state, stepped=frozenset())
                 )
                 for state in states
             )
+        if method == "zero_grad" and receiver is not None:
+            key = expression_key(receiver)
+            if key is not None:
+                return frozenset(
+                    replace(state, zeroed=state.zeroed | {key}, stepped=state.stepped - {key})
+                    for state in states
+                )
+            return states
         if self.is_scaler(receiver):
             if method == "unscale_":
                 return frozenset(replace(state, phase=UNSCALED) for state in states)
@@ -422,6 +443,35 @@ def is_optimizer(expr: nodes.NodeNG, names) -> bool:
     if NOT_OPTIMIZER_WORDS.intersection(words):
         return False
     return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)
+
+
+#: Methods whose call returns the parameters of their receiver (``model.parameters()``).
+_PARAMETER_METHODS = frozenset({"parameters", "named_parameters"})
+
+
+def optimized_models(optimizer: nodes.NodeNG, names) -> FrozenSet[str]:
+    """Keys of the models an optimizer steps the parameters of: the receivers of
+    ``.parameters()`` in what builds it (``Adam(model.parameters())``, ``SGD(list(a.parameters())
+    + list(b.parameters()))``, followed to the call sites of a parameter); empty when unknown
+    or when anything else feeds it (``Adam([log_alpha])``)."""
+    values = names.bound_values(optimizer)
+    if values is None and isinstance(optimizer, nodes.Name):
+        values = names.argument_values(optimizer)
+    models: Set[str] = set()
+    for value in values or ():
+        if isinstance(value, nodes.Name):
+            value = next(iter(names.assigned_values(value) or ()), value)
+        if not isinstance(value, nodes.Call) or not value.args:
+            return frozenset()
+        found = [
+            expression_key(call.func.expr)
+            for call in value.args[0].nodes_of_class(nodes.Call)
+            if method_call(call)[0] in _PARAMETER_METHODS
+        ]
+        if not found or None in found:
+            return frozenset()
+        models.update(found)
+    return frozenset(models)
 
 
 def backpropagated_tensor(call: nodes.Call, names) -> Optional[nodes.NodeNG]:
@@ -613,7 +663,19 @@ class ScalerAnalysis:
         flows = [self.flow(function) for function in functions]
         if reach == [self.context.module]:
             flows.append(self.flow(self.context.module))
-        scaling = [flow for flow in flows if flow.scaled_backwards]
+        # a scaler that only its own function can use (``scaler = GradScaler()`` as a local
+        # of ``train_one_epoch``) scales nothing the code outside it sees; ``self.<scaler>``
+        # is shared by the methods of ``reach``
+        scaling = [
+            flow
+            for flow in flows
+            if flow.scaled_backwards
+            and any(
+                scaler.key.startswith("self.") or _reaches(construction, function, self.names)
+                for scaler in flow.scalers.values()
+                for construction in scaler.constructions
+            )
+        ]
         return (
             bool(scaling)
             and not any(flow.scaler_steps for flow in flows)

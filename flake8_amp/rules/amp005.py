@@ -71,7 +71,13 @@ class ClipBeforeUnscale(Check):
         if method == "clip_grad_norm_" and names.instance_class(receiver) in CLIPPING_MODELS:
             return f"{receiver.as_string()}.clip_grad_norm_"
         helper = names.local_function(node)
-        if helper is not None and not scaler_analysis(self.context).is_scaler_helper(node):
+        analysis = scaler_analysis(self.context)
+        # a helper that scales its own backward has its clip judged inside it
+        if (
+            helper is not None
+            and not analysis.is_scaler_helper(node)
+            and not analysis.flow(helper).scaled_backwards
+        ):
             if any(names.qualname(call.func) in CLIP_FUNCTIONS for call in calls_in_order(helper)):
                 return f"{node.func.as_string()}()"
         return None

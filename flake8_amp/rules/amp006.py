@@ -25,6 +25,7 @@ from flake8_amp.analysis.scaler import (
     ScalerFlow,
     expression_key,
     is_optimizer,
+    optimized_models,
     scaler_analysis,
 )
 from flake8_amp.engine import Check
@@ -47,10 +48,13 @@ class StepBypassesScaler(Check):
             self._check_plain_step(node, receiver, flow)
 
     def _check_plain_step(self, node: nodes.Call, receiver: nodes.NodeNG, flow: ScalerFlow) -> None:
-        phases = flow.phases_before(node)
+        key = expression_key(receiver)
+        # an optimizer (or all its models) zeroed after the scaled backward steps only the
+        # gradients of a later plain backward
+        zeroed = [frozenset({key} - {None}), optimized_models(receiver, self.context.names)]
+        phases = flow.phases_before(node, unless_zeroed=zeroed)
         if HELPED in phases or flow.in_no_scaler_arm(node) or self._wraps_scaler(receiver):
             return
-        key = expression_key(receiver)
         if key is not None and flow.stepped_before(node, key):
             self.report(
                 node,

@@ -27,14 +27,17 @@ class BackwardUnderAutocast(Check):
         if self._is_backward(node):
             if regions.autocast_at(node, with_grad=True) is not None:
                 self.report(node)
-        elif self._runs_backward_unreported(node) and regions.autocast_at(node) is not None:
+        elif regions.autocast_at(node) is not None and self._runs_backward_unreported(node):
             self.report(node)
 
     def _runs_backward_unreported(self, call: nodes.Call) -> bool:
         """``call`` calls a function of this module that runs a backward (``accumulate(loss,
-        scaler)``) which is not reported inside it: its other callers leave autocast first,
-        so the call inside a region is the line to change."""
-        helper = self.context.names.local_function(call)
+        scaler)``), or an object whose class here runs one in the method called
+        (``loss_scaler(loss, optimizer)`` of a class whose ``__call__`` scales the backward,
+        ``wrapper.backward(loss)``), which is not reported inside it: its other callers leave
+        autocast first, so the call inside a region is the line to change."""
+        names = self.context.names
+        helper = names.local_function(call) or names.object_method(call)
         if helper is None:
             return False
         regions, grad = self.context.regions, self.context.grad

@@ -768,3 +768,51 @@ def train_through_unscale_clip_then_step(model, loader, optimizer):
     for batch in loader:
         grad_scaler.scale(model(batch)).backward()
         unscale_clip_then_step(model, optimizer, grad_scaler)
+
+
+def train_epoch_with_its_own_scaler(model, loader, optimizer):
+    scaler = torch.amp.GradScaler("cuda")
+    for x in loader:
+        with torch.autocast("cuda"):
+            loss = model(x).mean()
+        scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)  # AMP005
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+
+def fit_calls_the_epoch_with_its_own_scaler(model, loader, optimizer, epochs):
+    for _ in range(epochs):
+        train_loss = train_epoch_with_its_own_scaler(model, loader, optimizer)
+        print(train_loss)
+
+
+def clip_helper(model):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def scaled_backward_then_clip_helper(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    scaler.scale(loss).backward()
+    clip_helper(model)  # AMP005
+    scaler.step(optimizer)
+    scaler.update()
+
+
+class BackwardClipsItself:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)  # AMP005
+
+    def train_step(self, batch):
+        with torch.autocast("cuda"):
+            loss = self.model(batch)
+        self.backward(loss)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()

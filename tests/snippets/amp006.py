@@ -537,3 +537,146 @@ class StepsInTheSubclass(UpdatesInTheBaseLoop):
             loss = self.model(batch)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
+
+
+def plain_step_after_the_scaler_branch(model, loader, criterion, optimizer, scaler):
+    for x, y in loader:
+        with torch.autocast("cuda", enabled=scaler is not None):
+            loss = criterion(model(x), y)
+        optimizer.zero_grad()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+        optimizer.step()  # AMP006
+
+
+def plain_step_after_the_amp_flag_branch(model, loader, optimizer, scaler, use_amp):
+    for batch in loader:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", enabled=use_amp):
+            loss = model(batch)
+        if use_amp:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+        if optimizer is not None:
+            optimizer.step()  # AMP006
+
+
+def plain_step_only_in_the_else_branch(model, loader, criterion, optimizer, scaler):
+    for x, y in loader:
+        with torch.autocast("cuda", enabled=scaler is not None):
+            loss = criterion(model(x), y)
+        optimizer.zero_grad()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+
+def scaler_step_or_plain_step(model, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    if scaler:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+
+
+def second_optimizer_after_the_scaler_branch(model, head, batch, optimizer, head_opt, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    head_opt.zero_grad()
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    head_opt.zero_grad()
+    head(batch).float().mean().backward()
+    head_opt.step()
+
+
+def plain_step_in_the_next_iteration(model, loader, optimizer, scaler):
+    for i, batch in enumerate(loader):
+        with torch.autocast("cuda"):
+            loss = model(batch)
+        if i % 2 == 0:
+            loss.float().backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+
+
+def plain_step_after_zero_grad_and_a_plain_backward(model, aux, batch, optimizer, scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad()
+    aux(batch).float().backward()
+    optimizer.step()
+
+
+def second_optimizer_zeroed_after_the_scaled_backward(actor, data, actor_opt, alpha_opt, log_alpha, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        actor_loss = actor(data).mean()
+    actor_opt.zero_grad()
+    scaler.scale(actor_loss).backward()
+    actor_opt.step()  # AMP006
+    alpha_loss = (-log_alpha.exp() * actor_loss.detach()).mean()
+    alpha_opt.zero_grad()
+    alpha_loss.backward()
+    alpha_opt.step()
+
+
+def second_optimizer_not_zeroed_after_the_scaled_backward(actor, data, actor_opt, alpha_opt, log_alpha, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        actor_loss = actor(data).mean()
+    alpha_opt.zero_grad()
+    scaler.scale(actor_loss).backward()
+    actor_opt.step()  # AMP006
+    alpha_loss = (-log_alpha.exp() * actor_loss.detach()).mean()
+    alpha_loss.backward()
+    alpha_opt.step()  # AMP006
+
+
+def critic_model_zeroed_after_the_scaled_backward(actor, critic, data, actor_opt, scaler):
+    critic_opt = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    with torch.autocast("cuda", dtype=torch.float16):
+        actor_loss = -critic(actor(data)).mean()
+    actor_opt.zero_grad()
+    scaler.scale(actor_loss).backward()
+    scaler.step(actor_opt)
+    scaler.update()
+    critic.zero_grad(set_to_none=True)
+    critic(data).float().pow(2).mean().backward()
+    critic_opt.step()
+
+
+def one_of_two_models_zeroed_after_the_scaled_backward(qf1, qf2, data, scaler):
+    q_opt = torch.optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=1e-3)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = qf1(data).mean() + qf2(data).mean()
+    scaler.scale(loss).backward()
+    qf1.zero_grad()
+    qf1(data).float().mean().backward()
+    q_opt.step()  # AMP006

@@ -295,3 +295,94 @@ def log_inside_region(model, batch, logger):
 
 def report_loss(loss):
     print(f"loss {loss.item():.3f}")
+
+
+# ---- a backward run by an object of a class of the module ------------------------------
+class ScalerWithGradNorm:
+    def __init__(self):
+        self._scaler = torch.amp.GradScaler("cuda")
+
+    def __call__(self, loss, optimizer, clip_grad=None, parameters=None):
+        self._scaler.scale(loss).backward()
+        self._scaler.unscale_(optimizer)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        self._scaler.step(optimizer)
+        self._scaler.update()
+
+    def scale_and_step(self, loss, optimizer):
+        self._scaler.scale(loss).backward()
+        self._scaler.step(optimizer)
+        self._scaler.update()
+
+
+def loss_scaler_called_inside_region(model, batch, optimizer):
+    loss_scaler = ScalerWithGradNorm()
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        loss_scaler(loss, optimizer)  # AMP008
+
+
+def conditional_loss_scaler_inside_region(model, batch, optimizer, use_amp):
+    loss_scaler = ScalerWithGradNorm() if use_amp else None
+    with torch.autocast("cuda", enabled=use_amp):
+        loss = model(batch)
+        if loss_scaler is not None:
+            loss_scaler(loss, optimizer)  # AMP008
+
+
+def passed_loss_scaler_inside_region(model, batch, optimizer, loss_scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        loss_scaler(loss, optimizer)  # AMP008
+
+
+def passed_loss_scaler_after_region(model, batch, optimizer, loss_scaler):
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    loss_scaler(loss, optimizer)
+
+
+def named_method_inside_region(model, batch, optimizer):
+    wrapper = ScalerWithGradNorm()
+    with torch.autocast("cuda"):
+        loss = model(batch)
+        wrapper.scale_and_step(loss, optimizer)  # AMP008
+
+
+def run_both_loops(model, batch, optimizer, use_amp):
+    loss_scaler = ScalerWithGradNorm() if use_amp else None
+    passed_loss_scaler_inside_region(model, batch, optimizer, loss_scaler)
+    passed_loss_scaler_after_region(model, batch, optimizer, loss_scaler)
+
+
+def loss_scaler_called_after_region(model, batch, optimizer):
+    loss_scaler = ScalerWithGradNorm()
+    with torch.autocast("cuda"):
+        loss = model(batch)
+    loss_scaler(loss, optimizer)
+
+
+class DiceLoss:
+    def __call__(self, logits, target):
+        return 1 - (logits.sigmoid() * target).sum() / target.sum()
+
+
+def loss_object_called_inside_region(model, batch, target, optimizer):
+    criterion = DiceLoss()
+    with torch.autocast("cuda"):
+        loss = criterion(model(batch), target)
+    loss.backward()
+    optimizer.step()
+
+
+class BackwardInItsOwnRegion:
+    def __call__(self, model, batch):
+        with torch.autocast("cuda"):
+            model(batch).mean().backward()  # AMP008
+
+
+def object_reported_inside_not_at_the_call(model, batch):
+    runner = BackwardInItsOwnRegion()
+    with torch.autocast("cuda"):
+        runner(model, batch)
