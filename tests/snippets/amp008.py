@@ -311,7 +311,7 @@ class ScalerWithGradNorm:
         self._scaler.update()
 
     def scale_and_step(self, loss, optimizer):
-        self._scaler.scale(loss).backward()
+        self._scaler.scale(loss).backward()  # AMP008
         self._scaler.step(optimizer)
         self._scaler.update()
 
@@ -347,7 +347,7 @@ def named_method_inside_region(model, batch, optimizer):
     wrapper = ScalerWithGradNorm()
     with torch.autocast("cuda"):
         loss = model(batch)
-        wrapper.scale_and_step(loss, optimizer)  # AMP008
+        wrapper.scale_and_step(loss, optimizer)
 
 
 def run_both_loops(model, batch, optimizer, use_amp):
