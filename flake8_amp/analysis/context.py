@@ -175,7 +175,7 @@ class GradContext:
         self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
         self._training_scopes: Dict[nodes.NodeNG, bool] = {}
         self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
-        self._frozen_objects: Dict[nodes.NodeNG, Tuple[FrozenSet[str], FrozenSet[str]]] = {}
+        self._frozen_objects: Dict[nodes.NodeNG, Tuple[FrozenSet[str], FrozenSet[str], list]] = {}
 
     def no_grad_at(self, node: nodes.NodeNG) -> bool:
         """``node`` runs under no_grad / inference_mode / set_grad_enabled(False)."""
@@ -291,7 +291,11 @@ class GradContext:
                 return True
             link = link.func.expr
         objects.add(object_key(link))
-        frozen = self._frozen_in(code_frame(expr))
+        scope = code_frame(expr)
+        frozen = self._frozen_in(scope)
+        for branch, keys in self._freezing(scope)[2]:
+            if any(_inside(expr, statement) for statement in branch):
+                frozen = frozen | keys
         if any(key in frozen for key in objects if key):
             return True
         return any(key in self._frozen_when_built(expr) for key in objects if key)
@@ -462,15 +466,23 @@ class GradContext:
             for mark in MASTER_WEIGHT_MARKS
         )
 
-    def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str]]:
+    def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str], list]:
         """(frozen, trained) objects of ``scope``: ``m.train()`` undoes ``m.eval()`` but not
         ``m.requires_grad_(False)`` (LoRA freezes the base model and trains adapters in it);
-        an optimizer over ``m.parameters()`` or ``train_one_epoch(m)`` undoes both."""
+        an optimizer over ``m.parameters()`` or ``train_one_epoch(m)`` undoes both. Third, the
+        freezes of a branch that leaves the function (``if cfg.lora: model.requires_grad_(
+        False); ...; return model``), as (its statements, objects): they hold in that branch
+        only, not on the path that falls through it (``return model.to(torch.bfloat16)``)."""
         if scope not in self._frozen_objects:
             without_grad, in_eval, in_train_mode, trained = set(), set(), set(), set()
+            leaving: Dict[Tuple[nodes.NodeNG, ...], set] = {}
             for node in scope_nodes(scope):
                 if _chain_call(node) and _freezes(node):
-                    frozen = in_eval if node.func.attrname == "eval" else without_grad
+                    branch = _leaving_branch(node, scope)
+                    if branch is not None:
+                        frozen = leaving.setdefault(branch, set())
+                    else:
+                        frozen = in_eval if node.func.attrname == "eval" else without_grad
                     frozen.update(
                         {
                             node.func.expr.as_string(),
@@ -492,6 +504,7 @@ class GradContext:
             self._frozen_objects[scope] = (
                 frozenset(frozen_objects - {""}),
                 frozenset(trained | in_train_mode),
+                [(branch, frozenset(keys - trained - {""})) for branch, keys in leaving.items()],
             )
         return self._frozen_objects[scope]
 
@@ -642,6 +655,29 @@ def _freezes(call: nodes.Call) -> bool:
         flag = call.args[0] if call.args else keyword_value(call, "requires_grad")
         return _is_false(flag)
     return method == "eval"
+
+
+def _inside(node: nodes.NodeNG, ancestor: nodes.NodeNG) -> bool:
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
+
+
+def _leaving_branch(
+    node: nodes.NodeNG, scope: nodes.NodeNG
+) -> Optional[Tuple[nodes.NodeNG, ...]]:
+    """The statements of the innermost ``if``/``else`` branch around ``node`` (inside
+    ``scope``) that ends in ``return`` or ``raise``; None if there is none."""
+    child, parent = node, node.parent
+    while parent is not None and parent is not scope:
+        if isinstance(parent, nodes.If) and child is not parent.test:
+            branch = parent.body if child in parent.body else parent.orelse
+            if branch and isinstance(branch[-1], (nodes.Return, nodes.Raise)):
+                return tuple(branch)
+        child, parent = parent, parent.parent
+    return None
 
 
 def _freezing_helper(call: nodes.Call) -> bool:

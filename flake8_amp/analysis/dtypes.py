@@ -11,7 +11,9 @@ enabled by a flag counts as on, so kinds describe the run with mixed precision o
 Knowledge flows through names (per function, the assignments that reach the use),
 ``self.<x>`` attributes (when every assignment in the class agrees; a
 ``self.register_buffer("x", value)`` is one), tuple
-unpacking (``top, idx = x.topk(k)``), arithmetic (Python numbers, also by name or as a
+unpacking (``top, idx = x.topk(k)``; ``out, h = decode(x)`` and ``a, b = self(x)`` take that
+element of what the function or ``forward`` returns), in-place arithmetic (``x += y`` keeps
+``x``'s dtype), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
 indexing, dtype-preserving methods and the return values of the module's functions. The
 attributes of a parsed-arguments namespace (``args = parser.parse_args()``, also passed on
@@ -47,6 +49,7 @@ from flake8_amp.analysis.names import (
     assigned_value,
     calls_in_order,
     code_frame,
+    enclosing_class,
     is_self,
     keyword_value,
     last_part,
@@ -110,7 +113,10 @@ PRESERVING: FrozenSet[str] = frozenset(
     cuda cpu pin_memory requires_grad_ add add_ sub sub_ mul mul_ div div_ maximum minimum
     max min amax amin cat stack concat mean var std nanmean median logsumexp interpolate
     avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d
-    adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle Parameter""".split()
+    adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle Parameter
+    clamp_min clamp_max clamp_min_ clamp_max_ elu leaky_relu logsigmoid selu celu hardtanh
+    hardswish hardsigmoid relu6 mish softsign tanhshrink glu nan_to_num triu tril diagonal
+    movedim swapaxes""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -370,6 +376,21 @@ class Dtypes:
             self._frames = saved
         return kinds.pop() if len(kinds) == 1 else None
 
+    def _forward_called(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
+        """The ``forward`` that calling a module of a class of this module runs: ``self(x)`` in
+        a method of the class, ``model(x)`` for ``model = Net()``."""
+        if is_self(call.func):
+            owner = enclosing_class(call)
+            classes = {owner} if owner is not None else set()
+        else:
+            classes = {
+                self.names.construction_class(built)
+                for built in self.names.constructions(call.func) or ()
+            }
+        if len(classes) != 1 or None in classes:
+            return None
+        return self.names.method_of(classes.pop(), "forward")
+
     def _module_call(self, call: nodes.Call, depth: int) -> Optional[str]:
         """``module(x)`` for a module whose construction is known (:meth:`Names.constructions`):
         a class of this module runs its ``forward``; an ``nn`` module its op
@@ -490,9 +511,26 @@ class Dtypes:
         return kinds.pop() if len(kinds) == 1 else None
 
     def _binding_kind(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
-        """The kind of what ``binding`` binds: an assigned value, or an unpacked element."""
+        """The kind of what ``binding`` binds: an assigned value, an unpacked element, or for
+        ``x += y`` the kind ``x`` had (an in-place op writes into the tensor, keeping its
+        dtype: ``dist = -2 * q @ k.T; dist += q.pow(2).sum(-1)`` stays low precision)."""
         value = assigned_value(binding)
-        return self._of(value, depth) if value is not None else self._unpacked(binding, depth)
+        if value is not None:
+            return self._of(value, depth)
+        if isinstance(binding.parent, nodes.AugAssign) and binding.parent.target is binding:
+            return self._before_augmented(binding, depth)
+        return self._unpacked(binding, depth)
+
+    def _before_augmented(self, binding: nodes.AssignName, depth: int) -> Optional[str]:
+        """The one kind of the plain assignments of ``binding``'s name earlier in its scope."""
+        position = (binding.lineno or 0, binding.col_offset or 0)
+        kinds = {
+            self._binding_kind(earlier, depth)
+            for earlier in binding.scope().locals.get(binding.name, ())
+            if (earlier.lineno or 0, earlier.col_offset or 0) < position
+            and not isinstance(earlier.parent, nodes.AugAssign)
+        }
+        return kinds.pop() if len(kinds) == 1 else None
 
     def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
         """``a, b = x.half(), y`` (the element), ``top, idx = x.topk(k)`` (x's dtype, ints), or
@@ -505,7 +543,7 @@ class Dtypes:
             return self._of(value.elts[index], depth)
         if not isinstance(value, nodes.Call):
             return None
-        function = self.names.local_function(value)
+        function = self.names.local_function(value) or self._forward_called(value)
         if function is not None:
             return self._followed(function, value, depth, element=index)
         method, receiver = method_call(value)

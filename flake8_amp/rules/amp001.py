@@ -18,6 +18,8 @@ from flake8_amp.analysis.names import (
     chain_top,
     code_frame,
     is_self,
+    keyword_value,
+    last_part,
     simple_name,
 )
 from flake8_amp.analysis.regions import BF16, FP16
@@ -28,6 +30,8 @@ DTYPE_NAMES = {FP16: "float16", BF16: "bfloat16", LOW: "float16/bfloat16"}
 FLAG_WORDS = frozenset(
     {"fp16", "half", "bf16", "bfloat16", "float16", "pure", "precision", "dtype"}
 )
+#: Calls whose ``enabled=`` flag switches mixed precision on.
+AMP_SWITCHES = frozenset({"autocast", "GradScaler"})
 #: Methods whose definitions legitimately call the cast (``Module.half`` overrides).
 CAST_DEFINITIONS = frozenset({"half", "bfloat16", "to", "type", "_apply"})
 
@@ -85,15 +89,32 @@ class ManualCast(Check):
         return cls is not None and func.attrname in cls.locals
 
     def _behind_precision_flag(self, node: nodes.NodeNG) -> bool:
+        """Inside ``if args.fp16:`` / ``x.half() if half else x``: a deliberate precision
+        mode -- unless that same flag switches autocast or a GradScaler on in the same
+        function (``GradScaler(enabled=args.fp16)``): then it means mixed precision, which the
+        cast defeats (a GradScaler refuses fp16 gradients)."""
         child, parent = node, node.parent
         while parent is not None and not isinstance(
             parent, (nodes.FunctionDef, nodes.ClassDef, nodes.Module)
         ):
             if isinstance(parent, (nodes.If, nodes.IfExp)) and child is not parent.test:
                 if any(word in FLAG_WORDS for word in _identifier_words(parent.test)):
-                    return True
+                    return parent.test.as_string() not in self._amp_switches(code_frame(node))
             child, parent = parent, parent.parent
         return False
+
+    def _amp_switches(self, scope: nodes.NodeNG) -> set:
+        """The ``enabled=`` flags of the torch autocast and GradScaler calls of ``scope``."""
+        names = self.context.names
+        switches = set()
+        for call in calls_in_order(scope):
+            enabled = keyword_value(call, "enabled")
+            if enabled is None:
+                continue
+            qualname = names.qualname(call.func) or ""
+            if qualname.startswith("torch.") and last_part(qualname) in AMP_SWITCHES:
+                switches.add(enabled.as_string())
+        return switches
 
     def _checkpoint_copy(self, node: nodes.Call, func: nodes.Attribute) -> bool:
         """A copy cast for a checkpoint and not trained by its function: inside a save call

@@ -786,3 +786,59 @@ class FrozenTeacherStudent(torch.nn.Module):
         with torch.no_grad():
             soft = self.teacher(batch)
         return (self.student(batch) - soft).pow(2).mean()
+
+
+def build_lora_or_full(cfg, make_model, wrap_lora):
+    model = make_model(cfg)
+    if cfg.lora:
+        model.requires_grad_(False)
+        model = wrap_lora(model)
+        return model
+    return model.to(dtype=torch.bfloat16)  # AMP001
+
+
+def train_built_lora_or_full(cfg, make_model, wrap_lora, loader):
+    model = build_lora_or_full(cfg, make_model, wrap_lora).cuda()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    for batch in loader:
+        model(batch).backward()
+        optimizer.step()
+
+
+def build_frozen_half_base(cfg, make_model, wrap_lora):
+    model = make_model(cfg)
+    if cfg.lora:
+        model.requires_grad_(False)
+        model.half()
+        return wrap_lora(model)
+    return model
+
+
+def train_built_frozen_base(cfg, make_model, wrap_lora, loader):
+    model = build_frozen_half_base(cfg, make_model, wrap_lora).cuda()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    for batch in loader:
+        model(batch).backward()
+        optimizer.step()
+
+
+def train_flag_switches_amp_too(args, model, loader, optimizer):
+    if args.fp16:
+        model = model.half()  # AMP001
+    grad_scaler = torch.amp.GradScaler("cuda", enabled=args.fp16)
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16, enabled=args.fp16):
+            loss = model(x, y)
+        grad_scaler.scale(loss).backward()
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+
+
+def train_pure_fp16_flag_own_scaling(args, model, loader, optimizer):
+    if args.pure_fp16:
+        model = model.half()
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16, enabled=args.amp):
+            loss = model(x, y)
+        (loss * args.static_loss_scale).backward()
+        optimizer.step()

@@ -370,3 +370,31 @@ def linear_probe_half_head(feats, target, optimizer):
         penalty = logits.var(dim=1).mean()  # AMP004
     (F.cross_entropy(logits, target) + penalty).backward()
     optimizer.step()
+
+
+class RewardHead(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.v_head = nn.Linear(dim, 1)
+
+
+def reward_pair_loss(h_chosen, h_rejected, optimizer, scaler):
+    rm = RewardHead(64).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        r_c = rm.v_head(h_chosen).squeeze(-1)
+        r_r = rm.v_head(h_rejected).squeeze(-1)
+    loss = -F.logsigmoid(r_c - r_r).mean()  # AMP004
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def reward_pair_loss_upcast(h_chosen, h_rejected, optimizer, scaler):
+    rm = RewardHead(64).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        r_c = rm.v_head(h_chosen).squeeze(-1)
+        r_r = rm.v_head(h_rejected).squeeze(-1)
+    loss = -F.logsigmoid((r_c - r_r).float()).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()

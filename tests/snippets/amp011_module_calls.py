@@ -47,3 +47,59 @@ def outside_autocast(x):
     enc = Encoder(64).cuda()
     h = enc(x)
     return h / (h.abs().amax(dim=-1, keepdim=True) + 1e-8)
+
+
+class FocalHead(nn.Module):
+    def __init__(self, dim, classes):
+        super().__init__()
+        self.fc_cls = nn.Linear(dim, classes)
+        self.fc_obj = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return self.fc_cls(x), self.fc_obj(x)
+
+    def loss(self, feats, labels):
+        cls_score, _ = self(feats)
+        p = torch.sigmoid(cls_score)
+        return -torch.log(p + 1e-12).mean()  # AMP011
+
+    def loss_upcast(self, feats, labels):
+        cls_score, _ = self(feats)
+        p = torch.sigmoid(cls_score.float())
+        return -torch.log(p + 1e-12).mean()
+
+
+def train_focal_head(head, feats, labels, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = head.loss(feats, labels) + head.loss_upcast(feats, labels)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def run_focal_head(feats, labels, optimizer, scaler):
+    train_focal_head(FocalHead(64, 10).cuda(), feats, labels, optimizer, scaler)
+
+
+def pairwise_distance(src, dst):
+    dist = -2 * torch.matmul(src, dst.transpose(1, 2))
+    dist += src.pow(2).sum(-1, keepdim=True)
+    return dist
+
+
+def inverse_distance_weights(src, dst):
+    with torch.autocast("cuda", dtype=torch.float16):
+        dist = pairwise_distance(src, dst)
+        return 1.0 / (dist.clamp_min(0) + 1e-8)  # AMP011
+
+
+def inverse_distance_weights_fp32(src, dst):
+    with torch.autocast("cuda", dtype=torch.float16):
+        dist = pairwise_distance(src, dst)
+        return 1.0 / (dist.float().clamp_min(0) + 1e-8)
+
+
+def inverse_distance_weights_out_of_place(src, dst):
+    dist = src.new_zeros(src.shape[:2]).float()
+    dist += src.pow(2).sum(-1)
+    return 1.0 / (dist + 1e-8)
