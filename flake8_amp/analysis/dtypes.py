@@ -668,6 +668,8 @@ class Dtypes:
             return None
         if op in ("cat", "concat", "stack") and first is not None:
             return self._op(call, op, self._tensors(first, depth))
+        if op == "where" and len(call.args) == 3 and not call.keywords:
+            return self._promote(call.args[1], call.args[2], depth)  # not the condition's
         return self._op(call, op, self._of(first, depth) if first is not None else None)
 
     def _method(self, call: nodes.Call, func: nodes.Attribute, depth: int) -> Optional[str]:

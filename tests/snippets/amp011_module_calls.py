@@ -103,3 +103,17 @@ def inverse_distance_weights_out_of_place(src, dst):
     dist = src.new_zeros(src.shape[:2]).float()
     dist += src.pow(2).sum(-1)
     return 1.0 / (dist + 1e-8)
+
+
+def focal_where(logits, target):
+    with torch.autocast("cuda", dtype=torch.float16):
+        p = torch.sigmoid(nn.functional.linear(logits, logits))
+        pt = torch.where(target == 1, p, 1 - p)
+        return -torch.log(pt + 1e-12).mean()  # AMP011
+
+
+def focal_where_fp32_branch(logits, target, fallback):
+    with torch.autocast("cuda", dtype=torch.float16):
+        p = torch.sigmoid(nn.functional.linear(logits, logits))
+        pt = torch.where(target == 1, p, fallback.float())
+        return -torch.log(pt + 1e-12).mean()
