@@ -186,7 +186,8 @@ class OpTrace:
         device (the parameters' norms last), where each index's value lands among the values
         read from them, and the ops. The guard's own tensor work: no mode sees it."""
         stacked, starts, size = [], {}, 0
-        with torch._C.DisableTorchFunction():
+        # no autograd graph over the parameters' norms: it would cost a quarter of their time
+        with torch._C.DisableTorchFunction(), torch.no_grad():
             for key, pairs in self._groups.items():
                 starts[key] = size
                 size += len(pairs) // 2
