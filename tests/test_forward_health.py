@@ -337,3 +337,41 @@ def test_inputs_that_were_already_non_finite_are_not_first_causes():
     lines, first = inspect.getsourcelines(this)
     cause = first + next(n for n, line in enumerate(lines) if "# the first cause" in line)
     assert event.source == f"{THIS_FILE}:{cause}"
+
+
+def test_a_traced_stretch_reads_each_outputs_largest_magnitude():
+    """OpTrace keeps two extremes per checked output (one list per dtype and device) and hands
+    over one peak per output, max |x|, NaN kept, whatever the dtypes' order in the stretch."""
+    from amp_runtime.monitors.forward import OpTrace
+    from amp_runtime.tracking import ModuleTracker
+
+    trace = OpTrace(ModuleTracker())
+    outputs = [torch.tensor([-3.0, 2.0]).bfloat16(), torch.tensor([1.0, -7.5]),
+               torch.tensor([float("nan"), 1.0]).bfloat16(), torch.tensor([0.25, 4.0]).half(),
+               torch.tensor([-float("inf"), 0.0]).bfloat16()]
+    for out in outputs:
+        trace.record(torch.relu, (), {}, out)
+    stacked, positions, ops = trace.take()
+    values = [v for tensor in stacked for v in tensor.tolist()]
+    peaks = [values[positions[op.output]] for op in ops]
+    assert peaks[:2] == [3.0, 7.5] and math.isnan(peaks[2]) and peaks[3:] == [4.0, math.inf]
+    assert [op.dtype for op in ops] == [out.dtype for out in outputs]
+
+
+def test_a_traced_stretch_measures_parameters_without_an_autograd_graph():
+    """The parameters' norms a stretch hands over carry no autograd history (no graph over the
+    model's weights is built per step), and keep a NaN weight."""
+    from amp_runtime.monitors.forward import OpTrace
+    from amp_runtime.tracking import ModuleTracker
+
+    layer = nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight[0, 0] = float("nan")
+    trace = OpTrace(ModuleTracker())
+    x = torch.ones(1, 3).bfloat16()
+    trace.record(F.linear, (x, layer.weight, layer.bias), {}, torch.zeros(1, 2).bfloat16())
+    stacked, positions, ops = trace.take()
+    assert all(tensor.grad_fn is None for tensor in stacked)
+    values = [v for tensor in stacked for v in tensor.tolist()]
+    weight, bias = (values[positions[index]] for index in ops[0].inputs[1:])
+    assert math.isnan(weight) and bias == pytest.approx(layer.bias.norm().item())

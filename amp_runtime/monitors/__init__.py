@@ -130,15 +130,14 @@ def peak(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def extremes(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(high, low)`` device scalars with max |x| = max(high, -low), NaN kept: what per-op
-    tracing measures of every checked output, batched into peaks once per stretch
-    (``OpTrace.take``). On the CPU, fp16/bf16 take one ``aminmax`` pass, about twice as fast
-    there as ``abs().amax()`` (which allocates the absolute values and reads them again);
-    elsewhere :func:`peak` answers for both."""
+    """Two device scalars whose larger magnitude is max |x|, NaN kept: what per-op tracing
+    measures of every checked output, batched into peaks once per stretch (``OpTrace.take``).
+    On the CPU, fp16/bf16 take one ``aminmax`` pass (its ``(min, max)`` as it comes), about
+    twice as fast there as ``abs().amax()`` (which allocates the absolute values and reads them
+    again); elsewhere :func:`peak` answers for both."""
     tensor = tensor.detach()
     if tensor.is_cpu and tensor.dtype in LOW_PRECISION:
-        low, high = torch.aminmax(tensor)
-        return high, low
+        return torch.aminmax(tensor)
     value = peak(tensor)
     return value, value
 

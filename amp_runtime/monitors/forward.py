@@ -68,6 +68,9 @@ UNTRACED_FUNCTIONS = frozenset((
 #: Checked ops a trace holds before they are handed to the readings (a loop without steps).
 MAX_TRACED_OPS = 4096
 
+#: ``tuple.__new__``: makes a ``TracedOp`` per checked op without its Python-level ``__new__``.
+_new_tuple = tuple.__new__
+
 
 def writes_in_place(func, kwargs) -> bool:
     """Whether an op that returns one of its arguments wrote new values into it (``mul_``,
@@ -106,7 +109,7 @@ class OpTrace:
     are measured once per stretch, all together when it is handed over (``take``), by their L2
     norms: one fused kernel, an upper bound of max |x| that keeps NaN and Inf. Other inputs
     (batches, buffers, copies, tensors of earlier steps) get a peak of their own. A peak is
-    kept as the pair :func:`~amp_runtime.monitors.extremes` measures, in two lists per dtype
+    kept as the pair :func:`~amp_runtime.monitors.extremes` measures, in one list per dtype
     and device, stacked and combined into one tensor of peaks when handed over.
 
     Indices: the i-th peak of the stretch is ``i``; parameter ``j`` is ``~j`` (negative), which
@@ -118,9 +121,9 @@ class OpTrace:
         self._tracker = tracker
         self.ops: List[TracedOp] = []
         self.parameters: List[torch.Tensor] = []
-        #: ``(highs, lows)`` by (dtype, device index); ``_slots[i]`` is where the i-th peak is
-        #: kept: its group's key and its position in both lists.
-        self._groups: Dict[Tuple[torch.dtype, int], Tuple[List[torch.Tensor], ...]] = {}
+        #: The extremes pairs (two device scalars per peak) by (dtype, device index);
+        #: ``_slots[i]`` is where the i-th peak is kept: its group's key and its pair's position.
+        self._groups: Dict[Tuple[torch.dtype, int], List[torch.Tensor]] = {}
         self._slots: List[Tuple[Tuple[torch.dtype, int], int]] = []
         #: id(tensor) -> (weak reference, version, index) of the tensors measured so far.
         self._known: Dict[int, Tuple[weakref.ref, int, int]] = {}
@@ -139,7 +142,9 @@ class OpTrace:
             self.record(func, args, kwargs, tensor)
 
     def record(self, func, args, kwargs, out: torch.Tensor) -> None:
-        # runs for every checked op: the known-input case is inlined
+        # runs for every checked op: the known-input case and the usual single tensor argument
+        # are inlined, the op is kept as a plain tuple (``TracedOp``'s fields, made without its
+        # Python-level constructor)
         known = self._known
         constant, has_tensors, returns_input = 0.0, False, False
         inputs, dtypes = [], []
@@ -157,7 +162,8 @@ class OpTrace:
                 if tensor is out:
                     returns_input = True
                     continue
-                if not tensor.dtype.is_floating_point:
+                dtype = tensor.dtype
+                if not dtype.is_floating_point:
                     continue
                 entry = known.get(id(tensor))
                 if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
@@ -167,25 +173,25 @@ class OpTrace:
                     if index is None:
                         continue
                 inputs.append(index)
-                dtypes.append(tensor.dtype)
+                dtypes.append(dtype)
         if returns_input and not writes_in_place(func, kwargs):
             return  # ``x.float()`` of a float x, dropout(p=0): the input itself, nothing new
         index = self._add(out)
         self._remember(out, index)
-        module, location = self._tracker.site()
-        self.ops.append(TracedOp(func, out.dtype, index, inputs, dtypes, constant, has_tensors,
-                                 module, location))
+        self.ops.append(_new_tuple(TracedOp, (func, out.dtype, index, inputs, dtypes, constant,
+                                              has_tensors, *self._tracker.site())))
 
     def take(self) -> Tuple[List[torch.Tensor], List[int], List[TracedOp]]:
         """What the stretch recorded, and a fresh start: the peaks as one float32 tensor per
         device (the parameters' norms last), where each index's value lands among the values
         read from them, and the ops. The guard's own tensor work: no mode sees it."""
         stacked, starts, size = [], {}, 0
-        with torch._C.DisableTorchFunction():
-            for key, (highs, lows) in self._groups.items():
+        # no autograd graph over the parameters' norms: it would cost a quarter of their time
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for key, pairs in self._groups.items():
                 starts[key] = size
-                size += len(highs)
-                stacked.append(torch.maximum(torch.stack(highs), torch.stack(lows).neg()).float())
+                size += len(pairs) // 2
+                stacked.append(torch.stack(pairs).view(-1, 2).abs().amax(1).float())
             positions = [starts[key] + position for key, position in self._slots]
             if self.parameters:
                 norms = torch._foreach_norm(self.parameters, 2)
@@ -204,15 +210,13 @@ class OpTrace:
         """Measure ``tensor`` (its extremes, combined into its peak by ``take``); its index in
         the stretch."""
         key = (tensor.dtype, tensor.get_device())
-        group = self._groups.get(key)
-        if group is None:
-            group = self._groups[key] = ([], [])
-        highs, lows = group
-        self._slots.append((key, len(highs)))
-        high, low = extremes(tensor)
-        highs.append(high)
-        lows.append(low)
-        return len(self._slots) - 1
+        pairs = self._groups.get(key)
+        if pairs is None:
+            pairs = self._groups[key] = []
+        slots = self._slots
+        slots.append((key, len(pairs) >> 1))
+        pairs += extremes(tensor)
+        return len(slots) - 1
 
     def _measure(self, tensor: torch.Tensor) -> Optional[int]:
         """The index of an input no traced op produced (None for one without values)."""
