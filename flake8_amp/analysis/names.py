@@ -10,6 +10,7 @@ is not installed). Instances are resolved to the class that built them
 
 from __future__ import annotations
 
+import builtins
 import functools
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
@@ -905,8 +906,16 @@ def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:
 
 
 def _lookup(name: nodes.Name):
-    """astroid's scope lookup. A few lookups (names in class-level decorators) consult
-    astroid's model of ``builtins``, which is built on first need only (~0.1 s)."""
+    """astroid's scope lookup. For a name in a method's decorator, astroid asks whether it
+    is a builtin through its model of ``builtins`` (~0.1 s to build, and ~10^5 objects that
+    every later cyclic collection of the flake8 process scans again); Python's ``builtins``
+    answers that here, and the lookup goes where astroid's would (a builtin-named decorator
+    is looked up in the frame around the class)."""
+    scope = name.scope()
+    if isinstance(name.parent, nodes.Decorators) and isinstance(scope, nodes.ClassDef):
+        if hasattr(builtins, name.name) and scope.parent is not None:
+            return scope.parent.frame()._scope_lookup(name, name.name, -1)
+        return scope._scope_lookup(name, name.name)
     try:
         return name.lookup(name.name)
     except KeyError:
