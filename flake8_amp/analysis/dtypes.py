@@ -54,9 +54,10 @@ from flake8_amp.analysis.names import (
     keyword_value,
     last_part,
     method_call,
+    returned_values,
     unpacked_value,
 )
-from flake8_amp.analysis.regions import BF16, CPU, CUDA, FP16, Region, returned_values
+from flake8_amp.analysis.regions import BF16, CPU, CUDA, FP16, Region
 
 FP32, LOW, INT = "fp32", "low", "int"
 LOW_KINDS = frozenset({FP16, BF16, LOW})

@@ -562,7 +562,18 @@ class Names:
                 isinstance(expr.func, nodes.Name) and self._called_class(expr) is not None
             ):
                 return [expr]
-            return None
+            # ``model = build_model(args)``: what a function of this module returns
+            function = self.local_function(expr) if isinstance(expr.func, nodes.Name) else None
+            returns = returned_values(function) if function is not None else None
+            if not returns:
+                return None
+            found: List[nodes.NodeNG] = []
+            for value in returns:
+                built = self.constructions(value, depth)
+                if not built:
+                    return None
+                found.extend(built)
+            return found
         if isinstance(expr, nodes.Subscript):
             containers = self.constructions(expr.value, depth)
             return self._elements(containers, depth) if containers else None
@@ -888,6 +899,12 @@ def _c3_merge(sequences: List[List[MroEntry]]) -> Optional[List[MroEntry]]:
 
 #: Nodes whose bodies run at another time: analyses of a function skip them.
 NESTED_SCOPES = (nodes.FunctionDef, nodes.ClassDef, nodes.Lambda)
+
+
+def returned_values(function: nodes.FunctionDef) -> Optional[List[nodes.NodeNG]]:
+    """The values ``function`` returns; None if it has a bare ``return`` or none."""
+    returns = [r.value for r in function.nodes_of_class(nodes.Return, skip_klass=nodes.FunctionDef)]
+    return returns if returns and all(v is not None for v in returns) else None
 
 
 def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:

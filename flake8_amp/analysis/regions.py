@@ -29,6 +29,7 @@ from flake8_amp.analysis.names import (
     Callee,
     keyword_value,
     last_part,
+    returned_values,
     simple_name,
 )
 
@@ -178,7 +179,7 @@ class Regions:
         regions = [self._region_at(call, visiting, with_grad) for call in sites]
         inherited = None
         if regions and all(r is not None and r.active for r in regions):
-            inherited = regions[0]
+            inherited = _merged(regions)
         self._inherited[key] = inherited
         return inherited
 
@@ -358,10 +359,30 @@ class Regions:
         return None
 
 
-def returned_values(function: nodes.FunctionDef) -> Optional[List[nodes.NodeNG]]:
-    """The values ``function`` returns; None if it has a bare ``return`` or none."""
-    returns = [r.value for r in function.nodes_of_class(nodes.Return, skip_klass=nodes.FunctionDef)]
-    return returns if returns and all(v is not None for v in returns) else None
+def _merged(regions: List[Region]) -> Region:
+    """The region a function runs in when its callers run it in ``regions`` (all active):
+    the first where they agree; else one whose device and dtype are known only where all
+    agree, each distinct caller region kept as an alternative (a helper called under a bf16
+    autocast in one place and an fp16 one in another can run in fp16)."""
+    first = regions[0]
+    if all((r.enabled, r.device, r.dtype) == (first.enabled, first.device, first.dtype)
+           for r in regions):
+        return first
+    alternatives: List[Region] = []
+    for region in regions:
+        for option in region.alternatives or (region,):
+            if option not in alternatives:
+                alternatives.append(option)
+    devices = {r.device for r in alternatives}
+    dtypes = {r.dtype for r in alternatives}
+    return Region(
+        first.node,
+        True if all(r.enabled is True for r in alternatives) else None,
+        devices.pop() if len(devices) == 1 else None,
+        dtypes.pop() if len(dtypes) == 1 else None,
+        first.source,
+        tuple(alternatives) if len(dtypes) > 1 else (),
+    )
 
 
 def _torch_autocast_region(

@@ -30,9 +30,9 @@ from flake8_amp.analysis.names import (
     last_part,
     method_call,
     bound_value,
+    returned_values,
     simple_name,
 )
-from flake8_amp.analysis.regions import returned_values
 from flake8_amp.analysis.scaler import reaches_backward
 from flake8_amp.engine import Check, Options, mentions_autocast
 

@@ -398,3 +398,44 @@ def reward_pair_loss_upcast(h_chosen, h_rejected, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+class TinyEncoder(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.body = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h), h
+
+
+def build_encoder(args):
+    model = TinyEncoder(args.width)
+    return model.cuda()
+
+
+def train_built_encoder(args, x, optimizer):
+    model = build_encoder(args)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, hidden = model(x)
+        penalty = logits.abs().mean()  # AMP004
+        spread = hidden.float().std(dim=0).mean()
+    (penalty + spread).backward()
+    optimizer.step()
+
+
+def build_encoder_or_backbone(args):
+    if args.pretrained:
+        return Backbone.from_pretrained(args.name)
+    return TinyEncoder(args.width)
+
+
+def train_encoder_or_backbone(args, x, optimizer):
+    model = build_encoder_or_backbone(args)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, hidden = model(x)
+        penalty = logits.abs().mean()
+    penalty.backward()
+    optimizer.step()

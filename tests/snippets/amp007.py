@@ -359,3 +359,48 @@ class ScoreMaskHead(nn.Module):
     def forward(self, scores, mask):
         scores = scores.masked_fill(mask, -1e9)  # AMP007
         return scores.softmax(-1)
+
+
+class CausalScores(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return scores.masked_fill(mask, -1e10).softmax(-1)  # AMP007
+
+
+def debug_step_bf16(x, mask):
+    model = CausalScores(32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x, mask).sum()
+
+
+def train_step_fp16(x, mask):
+    model = CausalScores(32).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        return model(x, mask).sum()
+
+
+class BfloatOnlyScores(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(-1, -2)
+        return scores.masked_fill(mask, -1e10).softmax(-1)
+
+
+def bf16_step_a(x, mask):
+    model = BfloatOnlyScores(32).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return model(x, mask).sum()
+
+
+def bf16_step_b(x, mask):
+    model = BfloatOnlyScores(32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x, mask).sum()
