@@ -43,8 +43,6 @@ REGISTER_METHODS = {"register_buffer": "tensor", "register_parameter": "param"}
 
 #: How many alias hops are followed before giving up (``a = b``, ``b = c``...).
 _MAX_DEPTH = 8
-#: How many conditional values or parameter hops :meth:`Names.object_class` follows.
-_MAX_PASSING_DEPTH = 3
 
 #: Calls returning a module that runs the module they are given (its ``forward``): the
 #: wrapped one is reached again as ``.module`` (DDP, DataParallel) or ``._orig_mod``.
@@ -168,7 +166,7 @@ class Names:
     def object_method(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
         """The method of a class of this module that calling an object runs: ``__call__``
         for ``obj(...)``, ``m`` for ``obj.m(...)`` (not ``self``), where ``obj`` holds
-        instances of that one class (:meth:`object_class`)."""
+        instances of that one class (:meth:`local_class`)."""
         func = call.func
         if isinstance(func, nodes.Attribute) and not is_self(func.expr):
             receiver, name = func.expr, func.attrname
@@ -176,35 +174,8 @@ class Names:
             receiver, name = func, "__call__"
         else:
             return None
-        classdef = self.object_class(receiver)
+        classdef = self.local_class(receiver)
         return self.method_of(classdef, name) if classdef is not None else None
-
-    def object_class(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[nodes.ClassDef]:
-        """:meth:`local_class`, also through conditional values (``Cls() if amp else None``:
-        ``None`` holds no instance) and parameters whose call sites in this module pass
-        such an object; None unless every value is built by the same class."""
-        found = self.local_class(expr)
-        if found is not None or _depth > _MAX_PASSING_DEPTH:
-            return found
-        if isinstance(expr, nodes.IfExp):
-            values = [expr.body, expr.orelse]
-        elif isinstance(expr, nodes.Name):
-            values = self.assigned_values(expr)
-            if values is None:
-                values = self.argument_values(expr)
-        else:
-            return None
-        classes = set()
-        for value in values or ():
-            if isinstance(value, nodes.Const) and value.value is None:
-                continue
-            if isinstance(value, nodes.Call):
-                classes.add(self.local_class(value))
-            elif isinstance(value, (nodes.IfExp, nodes.Name)):
-                classes.add(self.object_class(value, _depth + 1))
-            else:
-                return None
-        return classes.pop() if len(classes) == 1 else None
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its
@@ -553,6 +524,17 @@ class Names:
             and self.qualname(expr.func) is None
         ):
             expr = expr.func.expr
+        if isinstance(expr, nodes.IfExp):
+            # ``Cls() if use_amp else None``: an arm holding None holds no module
+            found: List[nodes.NodeNG] = []
+            for arm in (expr.body, expr.orelse):
+                if isinstance(arm, nodes.Const) and arm.value is None:
+                    continue
+                built = self.constructions(arm, depth)
+                if not built:
+                    return None
+                found.extend(built)
+            return found or None
         if isinstance(expr, nodes.Call):
             qualname = self.qualname(expr.func) or ""
             if qualname in MODULE_WRAPPERS:
@@ -567,7 +549,7 @@ class Names:
             returns = returned_values(function) if function is not None else None
             if not returns:
                 return None
-            found: List[nodes.NodeNG] = []
+            found = []
             for value in returns:
                 built = self.constructions(value, depth)
                 if not built:
@@ -582,7 +564,7 @@ class Names:
             if inner and all(self._without_attribute(c, expr.attrname) for c in inner):
                 return inner
         if isinstance(expr, nodes.Name):
-            found: List[nodes.NodeNG] = []
+            found = []
             statement = expr.statement()
             bindings = [
                 b
