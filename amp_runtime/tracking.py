@@ -231,7 +231,6 @@ class ModuleTracker:
         a framework's, the place is the one that called the module, remembered with the call."""
         frame = sys._getframe(1)
         user = library = None
-        kinds = _CODE_KINDS
         while frame is not None:
             code = frame.f_code
             if code is CALL_IMPL_CODE:
@@ -242,9 +241,7 @@ class ModuleTracker:
                     user, library = called_from[0], library or called_from[1]
                 return module_path, (user, library)
             if user is None:
-                kind = kinds.get(code)  # the cache's hit inlined: a few frames per traced op
-                if kind is None:
-                    kind = _code_kind(code)
+                kind = _code_kind(code)
                 if kind == _USER:
                     user = (code.co_filename, frame.f_lineno)
                 elif kind == _FRAMEWORK and library is None:

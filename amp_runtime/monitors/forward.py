@@ -68,9 +68,6 @@ UNTRACED_FUNCTIONS = frozenset((
 #: Checked ops a trace holds before they are handed to the readings (a loop without steps).
 MAX_TRACED_OPS = 4096
 
-#: ``tuple.__new__``: makes a ``TracedOp`` per checked op without its Python-level ``__new__``.
-_new_tuple = tuple.__new__
-
 
 def writes_in_place(func, kwargs) -> bool:
     """Whether an op that returns one of its arguments wrote new values into it (``mul_``,
@@ -142,9 +139,7 @@ class OpTrace:
             self.record(func, args, kwargs, tensor)
 
     def record(self, func, args, kwargs, out: torch.Tensor) -> None:
-        # runs for every checked op: the known-input case and the usual single tensor argument
-        # are inlined, the op is kept as a plain tuple (``TracedOp``'s fields, made without its
-        # Python-level constructor)
+        # runs for every checked op: the known-input case is inlined
         known = self._known
         constant, has_tensors, returns_input = 0.0, False, False
         inputs, dtypes = [], []
@@ -178,8 +173,9 @@ class OpTrace:
             return  # ``x.float()`` of a float x, dropout(p=0): the input itself, nothing new
         index = self._add(out)
         self._remember(out, index)
-        self.ops.append(_new_tuple(TracedOp, (func, out.dtype, index, inputs, dtypes, constant,
-                                              has_tensors, *self._tracker.site())))
+        module, location = self._tracker.site()
+        self.ops.append(TracedOp(func, out.dtype, index, inputs, dtypes, constant, has_tensors,
+                                 module, location))
 
     def take(self) -> Tuple[List[torch.Tensor], List[int], List[TracedOp]]:
         """What the stretch recorded, and a fresh start: the peaks as one float32 tensor per
