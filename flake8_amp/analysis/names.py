@@ -489,11 +489,7 @@ class Names:
         ):
             if parameter in params:
                 annotation = hints[params.index(parameter)]
-                if isinstance(annotation, nodes.Name):
-                    classes = [
-                        b for b in self.bindings(annotation) if isinstance(b, nodes.ClassDef)
-                    ]
-                    return classes[0] if len(classes) == 1 else None
+                return self._class_named(annotation)
         return None
 
     def constructions(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[List[nodes.NodeNG]]:
@@ -526,15 +522,12 @@ class Names:
             expr = expr.func.expr
         if isinstance(expr, nodes.IfExp):
             # ``Cls() if use_amp else None``: an arm holding None holds no module
-            found: List[nodes.NodeNG] = []
-            for arm in (expr.body, expr.orelse):
-                if isinstance(arm, nodes.Const) and arm.value is None:
-                    continue
-                built = self.constructions(arm, depth)
-                if not built:
-                    return None
-                found.extend(built)
-            return found or None
+            arms = [
+                arm
+                for arm in (expr.body, expr.orelse)
+                if not (isinstance(arm, nodes.Const) and arm.value is None)
+            ]
+            return self._all_constructions(arms, depth)
         if isinstance(expr, nodes.Call):
             qualname = self.qualname(expr.func) or ""
             if qualname in MODULE_WRAPPERS:
@@ -547,15 +540,7 @@ class Names:
             # ``model = build_model(args)``: what a function of this module returns
             function = self.local_function(expr) if isinstance(expr.func, nodes.Name) else None
             returns = returned_values(function) if function is not None else None
-            if not returns:
-                return None
-            found = []
-            for value in returns:
-                built = self.constructions(value, depth)
-                if not built:
-                    return None
-                found.extend(built)
-            return found
+            return self._all_constructions(returns or [], depth)
         if isinstance(expr, nodes.Subscript):
             containers = self.constructions(expr.value, depth)
             return self._elements(containers, depth) if containers else None
@@ -564,29 +549,32 @@ class Names:
             if inner and all(self._without_attribute(c, expr.attrname) for c in inner):
                 return inner
         if isinstance(expr, nodes.Name):
-            found = []
             statement = expr.statement()
-            bindings = [
-                b
-                for b in self.reaching_bindings(expr)
-                if b.statement() is not statement or isinstance(b.parent, nodes.Comprehension)
-            ]
-            for binding in bindings:
+            found: List[nodes.NodeNG] = []
+            for binding in self.reaching_bindings(expr):
+                if binding.statement() is statement and not isinstance(
+                    binding.parent, nodes.Comprehension
+                ):
+                    continue
                 built = self._binding_constructions(binding, depth)
                 if not built:
                     return None
                 found.extend(built)
             return found or None
         values = self.bound_values(expr) if isinstance(expr, nodes.Attribute) else None
-        if not values:
-            return None
-        found = []
+        return self._all_constructions(values or [], depth)
+
+    def _all_constructions(
+        self, values: Sequence[Optional[nodes.NodeNG]], depth: int
+    ) -> Optional[List[nodes.NodeNG]]:
+        """The constructions of every one of ``values``; None if any is unknown (or none)."""
+        found: List[nodes.NodeNG] = []
         for value in values:
             built = self.constructions(value, depth) if value is not None else None
             if not built:
                 return None
             found.extend(built)
-        return found
+        return found or None
 
     def _binding_constructions(
         self, binding: nodes.NodeNG, depth: int
@@ -600,13 +588,7 @@ class Names:
             if annotated is not None:
                 return [annotated]
             # ``train(model, ...)`` called here with ``model = Net().cuda()``
-            found = []
-            for argument in self.argument_values(binding) or [None]:
-                built = self.constructions(argument, depth) if argument is not None else None
-                if not built:
-                    return None
-                found.extend(built)
-            return found
+            return self._all_constructions(self.argument_values(binding) or [], depth)
         position = None
         if isinstance(parent, nodes.Tuple) and len(parent.elts) == 2:
             position, parent = parent.elts.index(binding), parent.parent
@@ -634,17 +616,13 @@ class Names:
 
     def _elements(self, containers: List[nodes.NodeNG], depth: int) -> Optional[List[nodes.NodeNG]]:
         """The constructions of the modules held by module containers."""
-        found: List[nodes.NodeNG] = []
+        items: List[nodes.NodeNG] = []
         for container in containers:
-            items = self.container_items(container)
-            if items is None:
+            held = self.container_items(container)
+            if held is None:
                 return None
-            for item in items:
-                built = self.constructions(item, depth)
-                if not built:
-                    return None
-                found.extend(built)
-        return found or None
+            items.extend(held)
+        return self._all_constructions(items, depth)
 
     def container_items(self, container: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """The expressions of the modules an ``nn.ModuleList`` / ``nn.Sequential`` /
@@ -739,9 +717,13 @@ class Names:
 
     def _called_class(self, call: nodes.Call) -> Optional[nodes.ClassDef]:
         """The class of this module that ``call`` (``Net(...)``) instantiates."""
-        if not isinstance(call.func, nodes.Name):
+        return self._class_named(call.func)
+
+    def _class_named(self, name: Optional[nodes.NodeNG]) -> Optional[nodes.ClassDef]:
+        """The class of this module the name ``name`` binds, if it binds exactly one."""
+        if not isinstance(name, nodes.Name):
             return None
-        classes = [b for b in self.bindings(call.func) if isinstance(b, nodes.ClassDef)]
+        classes = [b for b in self.bindings(name) if isinstance(b, nodes.ClassDef)]
         return classes[0] if len(classes) == 1 else None
 
     def construction_class(self, construction: nodes.NodeNG) -> Optional[nodes.ClassDef]:
