@@ -294,7 +294,7 @@ class GradContext:
         scope = code_frame(expr)
         frozen = self._frozen_in(scope)
         for branch, keys in self._freezing(scope)[2]:
-            if any(_inside(expr, statement) for statement in branch):
+            if any(statement.parent_of(expr) for statement in branch):
                 frozen = frozen | keys
         if any(key in frozen for key in objects if key):
             return True
@@ -655,14 +655,6 @@ def _freezes(call: nodes.Call) -> bool:
         flag = call.args[0] if call.args else keyword_value(call, "requires_grad")
         return _is_false(flag)
     return method == "eval"
-
-
-def _inside(node: nodes.NodeNG, ancestor: nodes.NodeNG) -> bool:
-    while node is not None:
-        if node is ancestor:
-            return True
-        node = node.parent
-    return False
 
 
 def _leaving_branch(

@@ -115,9 +115,8 @@ PRESERVING: FrozenSet[str] = frozenset(
     max min amax amin cat stack concat mean var std nanmean median logsumexp interpolate
     avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d
     adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle Parameter
-    clamp_min clamp_max clamp_min_ clamp_max_ elu leaky_relu logsigmoid selu celu hardtanh
-    hardswish hardsigmoid relu6 mish softsign tanhshrink glu nan_to_num triu tril diagonal
-    movedim swapaxes""".split()
+    clamp_min clamp_max clamp_min_ clamp_max_ logsigmoid hardsigmoid softsign tanhshrink glu
+    nan_to_num triu tril diagonal movedim swapaxes""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -380,17 +379,8 @@ class Dtypes:
     def _forward_called(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
         """The ``forward`` that calling a module of a class of this module runs: ``self(x)`` in
         a method of the class, ``model(x)`` for ``model = Net()``."""
-        if is_self(call.func):
-            owner = enclosing_class(call)
-            classes = {owner} if owner is not None else set()
-        else:
-            classes = {
-                self.names.construction_class(built)
-                for built in self.names.constructions(call.func) or ()
-            }
-        if len(classes) != 1 or None in classes:
-            return None
-        return self.names.method_of(classes.pop(), "forward")
+        owner = enclosing_class(call) if is_self(call.func) else self.names.local_class(call.func)
+        return self.names.method_of(owner, "forward") if owner is not None else None
 
     def _module_call(self, call: nodes.Call, depth: int) -> Optional[str]:
         """``module(x)`` for a module whose construction is known (:meth:`Names.constructions`):

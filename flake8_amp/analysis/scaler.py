@@ -25,7 +25,7 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
 
 from astroid import nodes
 
-from flake8_amp.analysis.context import is_optimizer_class, name_words
+from flake8_amp.analysis.context import is_optimizer_class, name_words, parameters_receiver
 from flake8_amp.analysis.names import (
     bound_value,
     call_arguments,
@@ -445,10 +445,6 @@ def is_optimizer(expr: nodes.NodeNG, names) -> bool:
     return any(word in OPTIMIZER_WORDS or word.startswith("optimi") for word in words)
 
 
-#: Methods whose call returns the parameters of their receiver (``model.parameters()``).
-_PARAMETER_METHODS = frozenset({"parameters", "named_parameters"})
-
-
 def optimized_models(optimizer: nodes.NodeNG, names) -> FrozenSet[str]:
     """Keys of the models an optimizer steps the parameters of: the receivers of
     ``.parameters()`` in what builds it (``Adam(model.parameters())``, ``SGD(list(a.parameters())
@@ -464,9 +460,9 @@ def optimized_models(optimizer: nodes.NodeNG, names) -> FrozenSet[str]:
         if not isinstance(value, nodes.Call) or not value.args:
             return frozenset()
         found = [
-            expression_key(call.func.expr)
+            expression_key(parameters_receiver(call))
             for call in value.args[0].nodes_of_class(nodes.Call)
-            if method_call(call)[0] in _PARAMETER_METHODS
+            if parameters_receiver(call) is not None
         ]
         if not found or None in found:
             return frozenset()
