@@ -292,16 +292,7 @@ class Regions:
             return None
         if len(found) == len(regions) and len({(r.enabled, r.device, r.dtype) for r in found}) == 1:
             return replace(found[0], node=owner)
-        devices = {r.device for r in found}
-        dtypes = {r.dtype for r in found}
-        return Region(
-            owner,
-            False if all(r.enabled is False for r in found) else None,
-            devices.pop() if len(devices) == 1 else None,
-            dtypes.pop() if len(dtypes) == 1 else None,
-            found[0].source,
-            tuple(found) if len(dtypes) > 1 else (),
-        )
+        return _union(owner, found, False if all(r.enabled is False for r in found) else None)
 
     def _factory_spec(
         self, value: nodes.NodeNG, call: nodes.Call, owner: nodes.NodeNG
@@ -373,15 +364,23 @@ def _merged(regions: List[Region]) -> Region:
         for option in region.alternatives or (region,):
             if option not in alternatives:
                 alternatives.append(option)
-    devices = {r.device for r in alternatives}
-    dtypes = {r.dtype for r in alternatives}
+    enabled = True if all(r.enabled is True for r in alternatives) else None
+    return _union(first.node, alternatives, enabled)
+
+
+def _union(owner: nodes.NodeNG, options: List[Region], enabled: Optional[bool]) -> Region:
+    """One region standing for ``options`` (the autocasts a context may be, or the regions a
+    function's callers run it in): device and dtype where all agree, and where the dtypes
+    differ each option kept as an alternative."""
+    devices = {r.device for r in options}
+    dtypes = {r.dtype for r in options}
     return Region(
-        first.node,
-        True if all(r.enabled is True for r in alternatives) else None,
+        owner,
+        enabled,
         devices.pop() if len(devices) == 1 else None,
         dtypes.pop() if len(dtypes) == 1 else None,
-        first.source,
-        tuple(alternatives) if len(dtypes) > 1 else (),
+        options[0].source,
+        tuple(options) if len(dtypes) > 1 else (),
     )
 
 
