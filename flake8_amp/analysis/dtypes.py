@@ -612,9 +612,7 @@ class Dtypes:
             return method_call(expr)[0] in ("parse_args", "parse_known_args")
         values: Optional[List[nodes.NodeNG]] = None
         if isinstance(expr, nodes.Name):
-            values = self.names.assigned_values(expr)
-            if values is None:
-                values = self.names.argument_values(expr)
+            values = self.names.held_values(expr)
         elif isinstance(expr, nodes.Attribute) and is_self(expr.expr):
             values = self.names.self_attribute_values(expr)
         return bool(values) and all(

@@ -386,6 +386,14 @@ class Names:
             return None
         return self._self_attributes(owner).get(expr.attrname) or None
 
+    def held_values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+        """:meth:`bound_values`, or for a parameter what its call sites in this module pass
+        (:meth:`argument_values`: ``def train(..., scaler)`` called with ``scaler``)."""
+        values = self.bound_values(expr)
+        if not values and isinstance(expr, nodes.Name):
+            return self.argument_values(expr)
+        return values
+
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
         is not a plain ``name = value`` (parameters, loops, unpacking, imports...)."""

@@ -245,10 +245,7 @@ class Regions:
     def _values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned, or what
         a parameter (``def train(..., amp_ctx)``) receives at its call sites."""
-        values = self.names.bound_values(expr)
-        if not values and isinstance(expr, nodes.Name):
-            return self.names.argument_values(expr)
-        return values
+        return self.names.held_values(expr)
 
     def _returned_values(self, func: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """The values a function defined in this module returns (a context factory such as

@@ -450,9 +450,7 @@ def optimized_models(optimizer: nodes.NodeNG, names) -> FrozenSet[str]:
     ``.parameters()`` in what builds it (``Adam(model.parameters())``, ``SGD(list(a.parameters())
     + list(b.parameters()))``, followed to the call sites of a parameter); empty when unknown
     or when anything else feeds it (``Adam([log_alpha])``)."""
-    values = names.bound_values(optimizer)
-    if values is None and isinstance(optimizer, nodes.Name):
-        values = names.argument_values(optimizer)
+    values = names.held_values(optimizer)
     models: Set[str] = set()
     for value in values or ():
         if isinstance(value, nodes.Name):
@@ -578,9 +576,7 @@ class ScalerAnalysis:
         through names bound to it; with ``passed``, for a parameter, those that its
         function's call sites in this module pass (``train_epoch(..., scaler)`` called from
         ``main`` after ``scaler = GradScaler("cuda")``)."""
-        values = self.names.bound_values(expr)
-        if values is None and passed and isinstance(expr, nodes.Name):
-            values = self.names.argument_values(expr)
+        values = self.names.held_values(expr) if passed else self.names.bound_values(expr)
         found = []
         for value in values or ():
             if isinstance(value, nodes.Call):
