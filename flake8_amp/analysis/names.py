@@ -164,18 +164,13 @@ class Names:
         return None
 
     def object_method(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        """The method of a class of this module that calling an object runs: ``__call__``
-        for ``obj(...)``, ``m`` for ``obj.m(...)`` (not ``self``), where ``obj`` holds
-        instances of that one class (:meth:`local_class`)."""
-        func = call.func
-        if isinstance(func, nodes.Attribute) and not is_self(func.expr):
-            receiver, name = func.expr, func.attrname
-        elif isinstance(func, (nodes.Name, nodes.Attribute)):
-            receiver, name = func, "__call__"
-        else:
+        """The ``__call__`` of a class of this module that calling an object of it runs
+        (``loss_scaler(loss, optimizer)``, ``self.loss_scaler(...)``); ``obj.m(...)`` is
+        :meth:`local_function`'s."""
+        if not isinstance(call.func, (nodes.Name, nodes.Attribute)):
             return None
-        classdef = self.local_class(receiver)
-        return self.method_of(classdef, name) if classdef is not None else None
+        classdef = self.local_class(call.func)
+        return self.method_of(classdef, "__call__") if classdef is not None else None
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its
