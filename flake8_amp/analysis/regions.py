@@ -107,20 +107,10 @@ class Regions:
     def local_region(self, node: nodes.NodeNG) -> Tuple[bool, Optional[Region]]:
         """``(True, region)`` when a region opened inside ``node``'s own function (a
         ``with`` there, or a decorator of the function) encloses it; ``(False, None)`` when
-        the region at ``node`` is the one its caller runs it in."""
-        child, parent = node, node.parent
-        while parent is not None:
-            if isinstance(parent, nodes.With) and not _is_with_item(parent, child):
-                region = self.opened_by(parent)
-                if region is not None:
-                    return True, region
-            elif isinstance(parent, nodes.FunctionDef) and _in_body(parent, child):
-                region = self.opened_by(parent)
-                return (True, region) if region is not None else (False, None)
-            elif isinstance(parent, (nodes.ClassDef, nodes.Module)):
-                return False, None
-            child, parent = parent, parent.parent
-        return False, None
+        the region at ``node`` is the one its caller runs it in. A lambda is part of the
+        function it is written in (the dtype flow follows it there)."""
+        region, _ = self._opened_around(node, lambdas_are_functions=False)
+        return region is not None, region
 
     def opened_by(self, node: nodes.NodeNG) -> Optional[Region]:
         """The region a ``with`` statement or a decorated function opens, if any."""
@@ -145,21 +135,31 @@ class Regions:
     def _region_at(
         self, node: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
     ) -> Optional[Region]:
+        region, function = self._opened_around(node, lambdas_are_functions=True)
+        if region is None and function is not None:
+            return self._inherited_region(function, visiting, with_grad)
+        return region
+
+    def _opened_around(
+        self, node: nodes.NodeNG, lambdas_are_functions: bool
+    ) -> Tuple[Optional[Region], Optional[nodes.NodeNG]]:
+        """The innermost region opened around ``node`` in its own code (a ``with``, or a
+        decorator of its function): ``(region, None)``; else ``(None, function)``, the
+        function whose callers decide, or ``(None, None)`` at class or module level."""
+        scopes = (nodes.FunctionDef, nodes.Lambda) if lambdas_are_functions else nodes.FunctionDef
         child, parent = node, node.parent
         while parent is not None:
             if isinstance(parent, nodes.With) and not _is_with_item(parent, child):
                 region = self.opened_by(parent)
                 if region is not None:
-                    return region
-            elif isinstance(parent, (nodes.FunctionDef, nodes.Lambda)) and _in_body(parent, child):
+                    return region, None
+            elif isinstance(parent, scopes) and _in_body(parent, child):
                 region = self.opened_by(parent)
-                if region is not None:
-                    return region
-                return self._inherited_region(parent, visiting, with_grad)
+                return (region, None) if region is not None else (None, parent)
             elif isinstance(parent, nodes.ClassDef):
-                return None
+                return None, None
             child, parent = parent, parent.parent
-        return None
+        return None, None
 
     def _inherited_region(
         self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
