@@ -170,6 +170,8 @@ PRESERVING_MODULES: FrozenSet[str] = frozenset(
     AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d
     AdaptiveMaxPool3d Upsample PixelShuffle""".split()
 )
+#: Tensor attributes of their tensor's dtype (views, the data, the gradient).
+SAME_DTYPE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "grad"})
 #: How many module forwards (and functions) deep a call's output is followed.
 _MAX_FRAMES = 4
 #: Methods converting to the dtype named by (or of) their argument.
@@ -465,7 +467,7 @@ class Dtypes:
             return self._of(expr.operand, depth)
         if isinstance(expr, nodes.Subscript):
             return self._of(expr.value, depth)
-        if isinstance(expr, nodes.Attribute) and expr.attrname in ("T", "mT", "H", "data", "grad"):
+        if isinstance(expr, nodes.Attribute) and expr.attrname in SAME_DTYPE_ATTRIBUTES:
             return self._of(expr.expr, depth)
         if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
             # ``self.model`` after ``self.model = model.half()``: every method must agree. In

@@ -6,7 +6,12 @@ from typing import Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.dtypes import PRESERVING, autocast_fp32_op, is_low
+from flake8_amp.analysis.dtypes import (
+    PRESERVING,
+    SAME_DTYPE_ATTRIBUTES,
+    autocast_fp32_op,
+    is_low,
+)
 from flake8_amp.analysis.names import method_call
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
@@ -54,6 +59,8 @@ class LowPrecisionReduce(Check):
                 return True
             method, receiver = method_call(expr)
             return method in PRESERVING and self._chosen_bf16(receiver, depth - 1)
+        if isinstance(expr, nodes.Attribute) and expr.attrname in SAME_DTYPE_ATTRIBUTES:
+            return self._chosen_bf16(expr.expr, depth - 1)
         if isinstance(expr, nodes.Name):
             values = self.context.names.assigned_values(expr) or []
             return bool(values) and all(self._chosen_bf16(v, depth - 1) for v in values)

@@ -251,6 +251,22 @@ def newton_schulz(grad, steps=5, eps=1e-7):
     return x
 
 
+def zeropower_via_newton_schulz(grad, eps=1e-7):
+    """torch.optim's Muon: the bf16 cast is transposed before it is normalised."""
+    ortho = grad.bfloat16()
+    if grad.size(0) > grad.size(1):
+        ortho = ortho.T
+    ortho.div_(ortho.norm().clamp(min=eps))
+    return ortho
+
+
+def fp16_cast_transposed_norm(grad):
+    ortho = grad.half()
+    if grad.size(0) > grad.size(1):
+        ortho = ortho.mT
+    return grad / ortho.norm()  # AMP004
+
+
 def autocast_bf16_mean(x, weight):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         h = F.linear(x, weight)
