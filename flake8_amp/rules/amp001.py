@@ -54,7 +54,7 @@ class ManualCast(Check):
     def _legitimate(self, node: nodes.Call, func: nodes.Attribute) -> bool:
         grad = self.context.grad
         return (
-            _round_trip(node)
+            self._round_trip(node)
             or _in_cast_definition(node)
             or _self_cast(func)
             or self._user_method(func)
@@ -64,6 +64,23 @@ class ManualCast(Check):
             or grad.fed_to_inference(node)
             or grad.not_training_at(node)
             or not (grad.training_at(node) or self._stepped_after(node))
+        )
+
+    def _round_trip(self, node: nodes.Call) -> bool:
+        """``x.half().float()``, ``w.half().to(w.dtype)``: the cast is undone at once (a
+        rounding simulation). A move that follows (``model.half().to(device)``) is not."""
+        parent = node.parent
+        if not (isinstance(parent, nodes.Attribute) and isinstance(parent.parent, nodes.Call)):
+            return False
+        following = parent.parent
+        target = self.context.dtypes.cast_target(following)
+        if target is not None:
+            return target == FP32
+        if parent.attrname == "type_as":
+            return True  # the type of another tensor, known at run time
+        arguments = [*following.args, *(kw.value for kw in following.keywords or ())]
+        return parent.attrname in ("to", "type") and any(
+            "dtype" in argument.as_string() for argument in arguments
         )
 
     def _stepped_after(self, node: nodes.Call) -> bool:
@@ -167,17 +184,6 @@ def _saved_objects(scope: nodes.NodeNG) -> set:
                     object_key(sub) for sub in arg.nodes_of_class((nodes.Name, nodes.Attribute))
                 )
     return saved
-
-
-def _round_trip(node: nodes.Call) -> bool:
-    """``x.half().float()``: the cast is undone immediately (a rounding simulation)."""
-    parent = node.parent
-    return (
-        isinstance(parent, nodes.Attribute)
-        and parent.attrname in ("float", "double", "to", "type")
-        and isinstance(parent.parent, nodes.Call)
-        and CAST_METHODS.get(parent.attrname, FP32) == FP32
-    )
 
 
 def _in_cast_definition(node: nodes.NodeNG) -> bool:

@@ -192,6 +192,21 @@ def train_round_trip(model, loader):
         model(x, y).backward()
 
 
+def train_rounding_simulation(model, loader, orig_dtype):
+    for x, y in loader:
+        x = x.half().to(orig_dtype)
+        model(x.bfloat16().type_as(y), y).backward()
+
+
+def finetune_cast_then_moved(args, loader):
+    model = create_model(args.arch)
+    model = model.half().to(args.device)  # AMP001
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    for x, y in loader:
+        model(x, y).backward()
+        optimizer.step()
+
+
 def train_tensor_creation(model, loader):
     for x, y in loader:
         noise = torch.randn(x.shape, dtype=torch.float16, device=x.device)
