@@ -206,19 +206,13 @@ class Names:
         if not sites:
             return None
         arguments = self.bindings(name)[0].parent
-        positional = [a.name for a in arguments.posonlyargs + arguments.args]
-        if _binds_self(arguments.parent):
-            positional = positional[1:]  # ``self.f(...)`` and ``Cls(...)`` bind ``self``
         values = []
         for call in sites:
             if any(isinstance(a, nodes.Starred) for a in call.args) or any(
                 kw.arg is None for kw in call.keywords or ()
             ):
                 return None
-            value = keyword_value(call, name.name)
-            if value is None and name.name in positional:
-                index = positional.index(name.name)
-                value = call.args[index] if index < len(call.args) else None
+            value = argument_for(call, arguments, name.name)
             if value is None:
                 value = self.parameter_default(name)
             if value is None:
@@ -447,7 +441,8 @@ class Names:
     def instance_class(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[str]:
         """Qualified name of the class whose call built the object ``expr`` refers to.
 
-        ``nn.BCELoss()``, ``criterion`` after ``criterion = nn.BCELoss()``, and
+        ``nn.BCELoss()``, ``criterion`` after ``criterion = nn.BCELoss()`` (or a parameter
+        every call site passes one), and
         ``self.criterion`` assigned ``nn.BCELoss()`` in any method of the class; also
         through methods that return the module itself (``nn.BCELoss().cuda()``).
         """
@@ -464,11 +459,11 @@ class Names:
         if isinstance(expr, nodes.Call):
             callee = self.callee(expr, _depth + 1)
             return callee.qualname if callee is not None and not callee.instance else None
-        values = self.bound_values(expr)
+        values = self.held_values(expr)
         if not values:
             return None
         classes = {
-            self.instance_class(v, _depth + 1) if isinstance(v, nodes.Call) else None
+            self.instance_class(v, _depth + 1) if isinstance(v, (nodes.Call, nodes.Name)) else None
             for v in values
         }
         return classes.pop() if len(classes) == 1 else None
@@ -1098,6 +1093,26 @@ def _binds_self(function: nodes.NodeNG) -> bool:
         return False
     decorators = function.decorators.nodes if function.decorators else []
     return not any(isinstance(d, nodes.Name) and d.name == "staticmethod" for d in decorators)
+
+
+def argument_for(
+    call: nodes.Call, arguments: nodes.Arguments, parameter: str
+) -> Optional[nodes.NodeNG]:
+    """What ``call`` passes to ``parameter`` of the function ``arguments`` belongs to (by
+    keyword or position; ``self.f(...)`` and ``Cls(...)`` bind ``self``); None if omitted."""
+    value = keyword_value(call, parameter)
+    if value is not None:
+        return value
+    positional = [a.name for a in arguments.posonlyargs + arguments.args]
+    if _binds_self(arguments.parent):
+        positional = positional[1:]
+    if parameter not in positional:
+        return None
+    index = positional.index(parameter)
+    before = call.args[: index + 1]
+    if index < len(call.args) and not any(isinstance(a, nodes.Starred) for a in before):
+        return call.args[index]
+    return None
 
 
 def is_self(expr: nodes.NodeNG) -> bool:

@@ -27,6 +27,7 @@ from astroid import nodes
 
 from flake8_amp.analysis.context import is_optimizer_class, name_words, parameters_receiver
 from flake8_amp.analysis.names import (
+    argument_for,
     bound_value,
     call_arguments,
     calls_in_order,
@@ -185,9 +186,11 @@ class ScalerFlow:
         self.scaled_backwards: List[nodes.Call] = []
         self._updated_steps: Set[nodes.Call] = set()
         self._loop_exits: List[Set[PathState]] = []
+        #: The states the scope may end in (its end, or a ``return``).
+        self.exit_states: Set[PathState] = set()
         if self.scalers:
             body = scope.body if isinstance(scope, (nodes.FunctionDef, nodes.Module)) else []
-            self._block(body, frozenset({PathState()}))
+            self.exit_states.update(self._block(body, frozenset({PathState()})))
 
     # -- queries -----------------------------------------------------------------------
 
@@ -260,6 +263,15 @@ class ScalerFlow:
                 return True
         return False
 
+    def only_scales_backward(self) -> bool:
+        """The scope runs a scaled backward and leaves the gradients scaled on some path,
+        touching the scaler no other way (``def backward(loss, scaler):
+        scaler.scale(loss).backward()``): a call of it is a scaled backward."""
+        phases = {state.phase for state in self.exit_states}
+        return bool(self.scaled_backwards) and not self.scaler_steps and phases == {SCALED} | (
+            phases & {None}
+        )
+
     # -- statements --------------------------------------------------------------------
 
     def _block(self, statements: Sequence[nodes.NodeNG], states: States) -> States:
@@ -287,7 +299,10 @@ class ScalerFlow:
             states = self._expression(statement.subject, states)
             arms = [self._block(case.body, states) for case in statement.cases]
             return frozenset(states.union(*arms))
-        if isinstance(statement, (nodes.Return, nodes.Raise)):
+        if isinstance(statement, nodes.Return):
+            self.exit_states.update(self._expression(statement, states))
+            return frozenset()
+        if isinstance(statement, nodes.Raise):
             self._expression(statement, states)
             return frozenset()
         if isinstance(statement, (nodes.Continue, nodes.Break)):
@@ -366,11 +381,8 @@ class ScalerFlow:
             if any(self._is_scaled(backpropagated, state) for state in states):
                 self.scaled_backwards.append(call)
             return frozenset(
-                (
-                    replace(state, phase=SCALED, stepped=frozenset(), zeroed=frozenset())
-                    if self._is_scaled(backpropagated, state)
-                    else replace(state, stepped=frozenset())
-                )
+                _scaled(state) if self._is_scaled(backpropagated, state)
+                else replace(state, stepped=frozenset())
                 for state in states
             )
         if method == "zero_grad" and receiver is not None:
@@ -401,6 +413,8 @@ class ScalerFlow:
         if any(
             self.is_scaler(arg) for arg in call_arguments(call)
         ) or self._analysis.is_scaler_helper(call):
+            if self._analysis.scales_backward(call):
+                return frozenset(_scaled(state) for state in states)
             return self._updated(states, phase=HELPED)
         return states
 
@@ -421,6 +435,11 @@ class ScalerFlow:
             return self._is_scaled(expr.left, state) or self._is_scaled(expr.right, state)
         key = expression_key(expr) if expr is not None else None
         return key is not None and key in state.scaled_names
+
+
+def _scaled(state: PathState) -> PathState:
+    """``state`` after a scaled backward: new scaled gradients, not yet stepped or zeroed."""
+    return replace(state, phase=SCALED, stepped=frozenset(), zeroed=frozenset())
 
 
 #: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).
@@ -530,12 +549,18 @@ class ScalerAnalysis:
         self.names = context.names
         self._flows: Dict[nodes.NodeNG, ScalerFlow] = {}
         self._helpers: Dict[nodes.NodeNG, bool] = {}
+        #: Functions whose flow is being built (a helper calling back its caller).
+        self._building: Set[nodes.NodeNG] = set()
 
     def flow(self, node: nodes.NodeNG) -> ScalerFlow:
         """The flow of the function (or module body) that ``node`` runs in."""
         scope = node.scope() if not isinstance(node, (nodes.FunctionDef, nodes.Module)) else node
         if scope not in self._flows:
-            self._flows[scope] = ScalerFlow(self, scope)
+            self._building.add(scope)
+            try:
+                self._flows[scope] = ScalerFlow(self, scope)
+            finally:
+                self._building.discard(scope)
         return self._flows[scope]
 
     def scalers_in(self, scope: nodes.NodeNG) -> Dict[str, Scaler]:
@@ -554,6 +579,12 @@ class ScalerAnalysis:
             receivers.setdefault(key, receiver)
             if (method == "scale" and len(call.args) == 1) or method == "unscale_":
                 used_as_scaler.add(key)
+        for call in calls_in_order(scope) if not isinstance(scope, nodes.Lambda) else ():
+            for argument in self._scaled_backward_scalers(call):
+                key = expression_key(argument)
+                if key is not None:
+                    receivers.setdefault(key, argument)
+                    used_as_scaler.add(key)
         scalers = {}
         for key, receiver in receivers.items():
             # what call sites pass says which scaler a parameter used to scale or unscale
@@ -585,6 +616,26 @@ class ScalerAnalysis:
             elif isinstance(value, nodes.Name) and _hops < _MAX_PASSING_HOPS:
                 found.extend(self.constructions(value, passed, _hops + 1))
         return found
+
+    def scales_backward(self, call: nodes.Call) -> bool:
+        """``call`` calls a function of this module that only runs a scaled backward
+        (:meth:`ScalerFlow.only_scales_backward`): the call is a scaled backward."""
+        function = self.names.local_function(call)
+        if function is None or function in self._building:
+            return False
+        return self.flow(function).only_scales_backward()
+
+    def _scaled_backward_scalers(self, call: nodes.Call) -> List[nodes.NodeNG]:
+        """The arguments ``call`` passes as the scaler of a function that only scales a
+        backward (``backward(loss, scaler)``): the caller uses them as scalers."""
+        if not call.args and not call.keywords or not self.scales_backward(call):
+            return []
+        function = self.names.local_function(call)
+        return [
+            argument
+            for key in self.flow(function).scalers
+            if (argument := argument_for(call, function.args, key)) is not None
+        ]
 
     def is_scaler_helper(self, call: nodes.Call) -> bool:
         """``call`` calls a function or method of this module that unscales, steps or updates

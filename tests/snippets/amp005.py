@@ -816,3 +816,67 @@ class BackwardClipsItself:
         self.backward(loss)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+
+# ---- the scaled backward in a helper of this module; an FSDP model handed in ----------
+def backward(total_loss, scaler):
+    if scaler is not None:
+        scaler.scale(total_loss).backward()
+    else:
+        total_loss.backward()
+
+
+def train_through_a_backward_helper(model, loader, optimizer, scaler, max_norm):
+    for images, texts in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(images, texts)
+        backward(loss, scaler)
+        if scaler is not None:
+            clip_grad_norm_(model.parameters(), max_norm)  # AMP005
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
+
+
+def train_through_a_backward_helper_then_unscale(model, loader, optimizer, scaler, max_norm):
+    for images, texts in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(images, texts)
+        backward(loss, scaler)
+        scaler.unscale_(optimizer)
+        clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def backward_and_step(loss, optimizer, scaler, max_norm, params):
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    clip_grad_norm_(params, max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def train_through_a_helper_that_steps(model, loader, optimizer, scaler):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        backward_and_step(loss, optimizer, scaler, 1.0, model.parameters())
+        clip_grad_norm_(model.parameters(), 1.0)
+
+
+def fsdp_epoch(model, loader, optimizer, scaler):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        model.clip_grad_norm_(1.0)  # AMP005
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def fsdp_main(module, loader, optimizer):
+    model = FSDP(module)
+    fsdp_epoch(model, loader, optimizer, torch.amp.GradScaler("cuda"))
