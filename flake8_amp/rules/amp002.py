@@ -4,8 +4,9 @@ A loss is known by what it computes: a torch loss (``F.cross_entropy``, ``F.ctc_
 ``*_loss``, an ``nn.*Loss``), an instance of any class named ``*Loss``, a callable named for
 a loss or criterion whose definition is elsewhere (``criterion``, ``self.loss_fn``), or a
 function or class of this module whose result (or first result) is computed by a loss or a
-full reduction (``.mean()``, ``.sum()``) and is backpropagated (``self.xent(score, pids)``,
-``siglip_objective(img, txt)``), whatever its name. Backpropagated: reaching a backward
+full reduction (``.mean()``, ``.sum()``), or is a dict of such, and is backpropagated
+(``self.xent(score, pids)``, ``siglip_objective(img, txt)``), whatever its name -- or, named
+for a loss (``SetCriterion``), wherever it runs. Backpropagated: reaching a backward
 (``loss.backward()``, ``accelerator.backward(loss)``) or a call that steps an optimizer
 (``loss_scaler(loss, optimizer)``, ``optim_wrapper.update_params(loss)``).
 
@@ -145,8 +146,12 @@ class LossOutsideAutocast(Check):
         if local_class is not None and local_class.name.endswith("Loss"):
             return "known"
         if definition is not None:
-            # Its name is not enough (``_update_losses(outputs, losses)`` records them).
-            return "computed" if self._computes_loss(definition) else None
+            # Its name alone is not enough (``_update_losses(outputs, losses)`` records them);
+            # named for a loss and computing one, it is a loss in evaluation code too.
+            if not self._computes_loss(definition):
+                return None
+            named = local_class.name if local_class is not None else definition.name
+            return "known" if _named_for_loss(named) else "computed"
         if local_class is None and (callee is None or not callee.qualname.startswith("torch.")):
             # Built or defined elsewhere: ``criterion(out, y)``, ``self.loss = build_loss(cfg)``,
             # ``from .losses import focal_loss``.
@@ -187,8 +192,14 @@ class LossOutsideAutocast(Check):
         if isinstance(expr, nodes.Name):
             values = self.context.names.assigned_values(expr) or []
             return any(self._loss_expression(value, depth - 1) for value in values)
+        if isinstance(expr, nodes.Dict):  # a dict of losses (DETR's, detectron2's)
+            return any(self._loss_expression(value, depth - 1) for _, value in expr.items)
         if not isinstance(expr, nodes.Call):
             return False
+        helper = self.context.names.local_function(expr)
+        if helper is not None:  # ``losses = self.single(outputs, targets)``
+            returns = returned_values(helper) or []
+            return bool(returns) and all(self._loss_expression(v, depth - 1) for v in returns)
         callee = self.context.names.callee(expr)
         if callee is not None and (
             _is_torch_loss(callee.qualname, callee.instance)

@@ -670,3 +670,57 @@ def deep_supervision_metrics(model, images, masks):
     scores = [dice_and_bce(p, masks) for p in side_outputs]
     loss.backward()
     return scores
+
+
+# ---- a criterion of this module returning a dict of losses (DETR's SetCriterion) --------
+class SetCriterion(nn.Module):
+    def single(self, outputs, targets):
+        loss_ce = F.cross_entropy(outputs["pred_logits"].transpose(1, 2), targets["labels"])
+        loss_bbox = F.l1_loss(outputs["pred_boxes"], targets["boxes"])
+        return {"loss_ce": loss_ce, "loss_bbox": loss_bbox}
+
+    def forward(self, outputs, targets):
+        losses = self.single(outputs, targets)
+        for i, aux in enumerate(outputs["aux_outputs"]):
+            losses.update({f"{k}_{i}": v for k, v in self.single(aux, targets).items()})
+        return losses
+
+
+class RunningMetrics(nn.Module):
+    def forward(self, outputs, targets):
+        correct = (outputs["pred_logits"].argmax(-1) == targets["labels"]).float()
+        return {"accuracy": correct.mean(), "box_error": (outputs["pred_boxes"] - targets["boxes"]).abs().mean()}
+
+
+def detr_epoch(model, loader, optimizer, weight_dict):
+    criterion = SetCriterion()
+    for images, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            outputs = model(images)
+        loss_dict = criterion(outputs, targets)  # AMP002
+        losses = sum(loss_dict[k] * weight_dict[k] for k in loss_dict)
+        losses.backward()
+        optimizer.step()
+
+
+@torch.no_grad()
+def detr_evaluate(model, loader):
+    criterion = SetCriterion()
+    totals = []
+    for images, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            outputs = model(images)
+        loss_dict = criterion(outputs, targets)  # AMP002
+        totals.append({k: v.item() for k, v in loss_dict.items()})
+    return totals
+
+
+@torch.no_grad()
+def detr_metrics(model, loader):
+    metrics = RunningMetrics()
+    totals = []
+    for images, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            outputs = model(images)
+        totals.append({k: v.item() for k, v in metrics(outputs, targets).items()})
+    return totals
