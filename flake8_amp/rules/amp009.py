@@ -10,9 +10,11 @@ classes (libraries that recognise both APIs) are not uses.
 
 Code that picks the API by torch version stays silent: a ``try`` that also tries
 ``torch.amp`` (``except (AttributeError, ImportError, TypeError)``), either arm of an
-``if``/conditional expression that tests the version (or ``hasattr``) or offers
-``torch.amp`` in its other arm (unless it tests the amp switch, ``if amp``), and code after
-``if <version test>: return <modern>``.
+``if``/conditional expression that tests the version (or ``hasattr``) and offers
+``torch.amp`` somewhere, or offers it in its other arm (unless it tests the amp switch,
+``if amp``), and code after ``if <version test>: return <modern>``. A version test that
+offers no ``torch.amp`` (``if TORCH_VERSION >= "1.6.0": from torch.cuda.amp import ...``)
+chooses nothing: the deprecated API is what runs on current versions.
 """
 
 from __future__ import annotations
@@ -97,12 +99,18 @@ class DeprecatedAmpApi(Check):
                 if self._mentions_modern_api(parent):
                     return True
             elif isinstance(parent, (nodes.If, nodes.IfExp)) and child is not parent.test:
-                if _is_version_test(parent.test) or self._other_arm_is_modern(parent, child):
+                if self._picks_by_version(parent) or self._other_arm_is_modern(parent, child):
                     return True
             if child.is_statement and self._after_version_return(child):
                 return True
             child, parent = parent, parent.parent
         return False
+
+    def _picks_by_version(self, branch: nodes.NodeNG) -> bool:
+        """``branch`` tests the torch version (or ``hasattr``) to choose between the APIs: it
+        offers ``torch.amp`` somewhere (mmcv's ``if TORCH_VERSION >= '1.6.0'``, or
+        mmengine's FSDP check, choose nothing: the old API is what runs today)."""
+        return _is_version_test(branch.test) and self._mentions_modern_api(branch)
 
     def _other_arm_is_modern(self, branch: nodes.NodeNG, child: nodes.NodeNG) -> bool:
         """The other arm offers ``torch.amp`` and the test is not the amp switch
@@ -131,7 +139,7 @@ class DeprecatedAmpApi(Check):
             if isinstance(sub, (nodes.Name, nodes.Attribute)):
                 qualname: Optional[str] = self.context.names.qualname(sub)
                 if qualname is not None and (
-                    qualname.startswith("torch.amp.") or qualname == "torch.autocast"
+                    qualname.startswith("torch.amp.") or qualname in ("torch.amp", "torch.autocast")
                 ):
                     return True
         return False

@@ -273,3 +273,33 @@ def scaler_for_torch_version(new_api):
 
 def checks_either_scaler_class(obj):
     return isinstance(obj, (torch.amp.GradScaler, torch.cuda.amp.GradScaler))
+
+
+# ---- a version test that offers no torch.amp chooses nothing (mmcv, mmengine) ------------
+def mmcv_autocast_after_version_check(model, batch, TORCH_VERSION, digit_version):
+    if digit_version(TORCH_VERSION) >= digit_version("1.6.0"):
+        with torch.cuda.amp.autocast(enabled=True):  # AMP009
+            return model(batch)
+    return model(batch)
+
+
+def mmengine_scaler_type(use_fsdp, ShardedGradScaler, digit_version):
+    if use_fsdp:
+        if digit_version(torch.__version__) >= digit_version("2.0.0"):
+            scaler_type = ShardedGradScaler
+        else:
+            raise RuntimeError("PyTorch>=2.0.0 is required for use_fsdp=True")
+    elif digit_version(torch.__version__) >= digit_version("1.6.0"):
+        scaler_type = GradScaler  # AMP009
+    else:
+        raise RuntimeError("mixed precision needs torch >= 1.6")
+    return scaler_type()
+
+
+def version_test_offering_torch_amp(model, batch, digit_version):
+    if digit_version(torch.__version__) < digit_version("2.4.0"):
+        ctx = torch.cuda.amp.autocast()
+    else:
+        ctx = torch.autocast("cuda")
+    with ctx:
+        return model(batch)
