@@ -1,15 +1,15 @@
 """fp16 training that overflows in one layer: a factorization machine on raw counts.
 
-The code follows the AMP recipe to the letter (autocast around forward and loss,
-GradScaler, unscale before clipping), so ``flake8 --select=AMP`` has nothing to say.
-The bug is numeric: some batches carry raw, unnormalised click counts, and the
-second-order interaction ``(sum v)^2`` of those batches exceeds fp16's maximum of 65504.
-The forward pass turns to inf, GradScaler skips the step and halves the loss scale,
-and the run keeps losing steps without any error. Under
-``python -m amp_runtime run examples/train_overflow.py`` the guard pins the first
-non-finite op to ``interaction`` (AMP101), flags the fp16 sums there that CPU autocast
-leaves in low precision (AMP004, which the linter cannot see: the dtype is only known
-at run time) and reports the declining loss scale (AMP108).
+The code follows the AMP recipe (autocast around forward and loss, GradScaler, unscale
+before clipping). One thing it misses, and ``flake8 --select=AMP`` points at it: under
+CPU autocast ``sum`` stays in fp16, so the interaction layer's two sums are AMP004.
+Whether that matters depends on the data, which only the run shows: some batches carry
+raw, unnormalised click counts, and the second-order interaction ``(sum v)^2`` of those
+batches exceeds fp16's maximum of 65504. The forward pass turns to inf, GradScaler skips
+the step and halves the loss scale, and the run keeps losing steps without any error.
+Under ``python -m amp_runtime run examples/train_overflow.py`` the guard pins the first
+non-finite op to ``interaction`` (AMP101), reports the fp16 sums there as they run
+(AMP004) and the declining loss scale (AMP108).
 """
 import argparse
 
@@ -22,8 +22,8 @@ class PairwiseInteraction(nn.Module):
     """Second-order factorization-machine term: 0.5 * ((sum v)^2 - sum v^2)."""
 
     def forward(self, field_embeddings):
-        square_of_sum = field_embeddings.sum(dim=1).pow(2)
-        sum_of_squares = field_embeddings.pow(2).sum(dim=1)
+        square_of_sum = field_embeddings.sum(dim=1).pow(2)  # AMP004
+        sum_of_squares = field_embeddings.pow(2).sum(dim=1)  # AMP004
         return 0.5 * (square_of_sum - sum_of_squares)
 
 

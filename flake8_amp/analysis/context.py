@@ -136,6 +136,18 @@ def name_words(name: str) -> List[str]:
     return [word.lower() for word in _WORD.findall(name)]
 
 
+#: Words naming a loss (``criterion``, ``loss_fn``, ``compute_loss``, ``FocalLoss``).
+LOSS_WORDS = frozenset({"loss", "losses", "criterion"})
+#: Words naming something else that takes a loss (``loss_scaler(loss, optimizer)``).
+NOT_LOSS_WORDS = frozenset({"scaler", "scale", "meter", "logger", "log", "record"})
+
+
+def named_for_loss(name: str) -> bool:
+    """``criterion``, ``self.loss_fn``, ``SetCriterion``; not ``loss_scaler``."""
+    words = set(name_words(name))
+    return bool(words & LOSS_WORDS) and not words & NOT_LOSS_WORDS
+
+
 def is_optimizer_class(qualname: str) -> bool:
     """``torch.optim.AdamW`` and the other ``torch.optim`` optimizers (not its schedulers
     or SWA helpers)."""

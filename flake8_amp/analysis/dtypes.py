@@ -15,7 +15,10 @@ unpacking (``top, idx = x.topk(k)``; ``out, h = decode(x)`` and ``a, b = self(x)
 element of what the function or ``forward`` returns), in-place arithmetic (``x += y`` keeps
 ``x``'s dtype), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
-indexing, dtype-preserving methods and the return values of the module's functions. The
+indexing, dtype-preserving methods, the return values of the module's functions and their
+parameters (in a function followed from a call, what that call passes; elsewhere the one
+kind every call site in the module passes: ``self.mbstd(out)`` makes ``x`` of
+``MinibatchStdDev.forward`` what ``out`` is). The
 attributes of a parsed-arguments namespace (``args = parser.parse_args()``, also passed on
 as a parameter or kept as ``self.args``) are Python numbers in arithmetic: a number (or a
 0-dim tensor) does not promote a dimensioned low-precision tensor, a dimensioned fp32
@@ -46,6 +49,7 @@ from astroid import nodes
 from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import (
     Callee,
+    argument_for,
     assigned_value,
     calls_in_order,
     code_frame,
@@ -172,6 +176,8 @@ PRESERVING_MODULES: FrozenSet[str] = frozenset(
 )
 #: Tensor attributes of their tensor's dtype (views, the data, the gradient).
 SAME_DTYPE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "grad"})
+#: Cache markers of :meth:`Dtypes._of`.
+_MISSING, _IN_PROGRESS = object(), object()
 #: How many module forwards (and functions) deep a call's output is followed.
 _MAX_FRAMES = 4
 #: Methods converting to the dtype named by (or of) their argument.
@@ -203,11 +209,16 @@ class Dtypes:
         self.context = context
         self.names = context.names
         self.regions = context.regions
-        self._cache: Dict[Tuple[nodes.NodeNG, tuple], Optional[str]] = {}
+        self._cache: Dict[Tuple[nodes.NodeNG, tuple], object] = {}
+        #: How many times a query was cut short (a cycle, the depth limit), and how many
+        #: queries are being computed (the outermost one's answer is cached even if cut).
+        self._cuts = 0
+        self._computing = 0
         #: The functions being followed from a call (a module's ``forward``, a function of
-        #: this module), each with the region its call runs in: autocast is dynamic, so
-        #: their code runs in their caller's region unless it opens its own.
-        self._frames: Tuple[Tuple[nodes.FunctionDef, Optional[Region]], ...] = ()
+        #: this module), each with the region its call runs in (autocast is dynamic, so
+        #: their code runs in their caller's region unless it opens its own) and the call,
+        #: which binds their parameters.
+        self._frames: Tuple[Tuple[nodes.FunctionDef, Optional[Region], nodes.Call], ...] = ()
 
     def constant(self, expr: Optional[nodes.NodeNG]) -> Optional[str]:
         """The kind a dtype expression names (``torch.float16``, ``"torch.cuda.HalfTensor"``,
@@ -315,15 +326,40 @@ class Dtypes:
         return frozenset(alternatives)
 
     def _of(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
-        if depth > _MAX_DEPTH:
+        """:meth:`of` at ``depth``. A result that a cut (a cycle, or the depth limit) made
+        unknown is cached only for the outermost query, so no answer depends on the order of
+        queries."""
+        if self._too_deep(depth):
             return None
         key = (expr, self._frames)
-        if key in self._cache:
-            return self._cache[key]
-        self._cache[key] = None  # guards against cycles through re-assignment
-        kind = self._compute(expr, depth + 1)
-        self._cache[key] = kind
+        cached = self._cache.get(key, _MISSING)
+        if cached is _IN_PROGRESS:  # a cycle through re-assignments or calls
+            self._cuts += 1
+            return None
+        if cached is not _MISSING:
+            return cached
+        self._cache[key] = _IN_PROGRESS
+        cuts, outermost = self._cuts, self._computing == 0
+        self._computing += 1
+        try:
+            kind = self._compute(expr, depth + 1)
+        except BaseException:
+            del self._cache[key]
+            raise
+        finally:
+            self._computing -= 1
+        if outermost or self._cuts == cuts:
+            self._cache[key] = kind
+        else:
+            del self._cache[key]
         return kind
+
+    def _too_deep(self, depth: int) -> bool:
+        """``depth`` is past the limit: the query is cut there (and counted as cut)."""
+        if depth > _MAX_DEPTH:
+            self._cuts += 1
+            return True
+        return False
 
     def region_at(self, node: nodes.NodeNG) -> Optional[Region]:
         """The active autocast region at ``node`` for the dtype flow: in a function followed
@@ -332,7 +368,7 @@ class Dtypes:
         from ``no_grad`` evaluation outside autocast still runs under autocast when it
         trains)."""
         frame = code_frame(node)
-        for function, caller_region in reversed(self._frames):
+        for function, caller_region, _ in reversed(self._frames):
             if function is frame:
                 found, region = self.regions.local_region(node)
                 region = region if found else caller_region
@@ -344,7 +380,7 @@ class Dtypes:
         a script whose every call (in a followed frame, or in the module) is outside
         regions."""
         frame = code_frame(node)
-        if any(function is frame for function, _ in self._frames):
+        if any(function is frame for function, _, _ in self._frames):
             return True
         if not isinstance(frame, nodes.FunctionDef):
             return True
@@ -367,11 +403,11 @@ class Dtypes:
             returns = [v.elts[element] for v in returns]
         if not returns or len(self._frames) >= _MAX_FRAMES:
             return None
-        if any(function is followed for followed, _ in self._frames):
+        if any(function is followed for followed, _, _ in self._frames):
             return None
         region = self.region_at(call)
         saved = self._frames
-        self._frames = saved + ((function, region),)
+        self._frames = saved + ((function, region, call),)
         try:
             kinds = {self._of(value, depth) for value in returns}
         finally:
@@ -411,7 +447,7 @@ class Dtypes:
     ) -> Optional[str]:
         """The output kind of the module ``construction`` built, called at ``call``: its input
         is ``first`` or (inside an ``nn.Sequential``, ``from_input`` False) of ``input_kind``."""
-        if depth > _MAX_DEPTH:
+        if self._too_deep(depth):
             return None
         if from_input:
             input_kind = self._of(first, depth) if first is not None else None
@@ -512,7 +548,41 @@ class Dtypes:
             return self._of(value, depth)
         if isinstance(binding.parent, nodes.AugAssign) and binding.parent.target is binding:
             return self._before_augmented(binding, depth)
+        if isinstance(binding.parent, nodes.Arguments):
+            return self._parameter_kind(binding, depth)
         return self._unpacked(binding, depth)
+
+    def _parameter_kind(self, parameter: nodes.AssignName, depth: int) -> Optional[str]:
+        """What the call passes, in a function followed from a call; elsewhere the one kind
+        every call site of the function in this module passes (``self.mbstd(out)`` with
+        ``out`` fp16 makes ``x`` fp16 in ``MinibatchStdDev.forward``)."""
+        arguments = parameter.parent
+        function = arguments.parent
+        if not isinstance(function, nodes.FunctionDef):
+            return None
+        for index in range(len(self._frames) - 1, -1, -1):
+            followed, _, call = self._frames[index]
+            if followed is function:
+                argument = argument_for(call, arguments, parameter.name)
+                return self._in_frames(self._frames[:index], argument, depth)
+        kinds = set()
+        for site in self.regions.call_sites(function):
+            argument = argument_for(site, arguments, parameter.name)
+            kinds.add(self._of(argument, depth) if argument is not None else None)
+            if None in kinds:
+                return None
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def _in_frames(self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int) -> Optional[str]:
+        """The kind of ``expr`` evaluated with ``frames`` followed (its caller's view)."""
+        if expr is None:
+            return None
+        saved = self._frames
+        self._frames = frames
+        try:
+            return self._of(expr, depth)
+        finally:
+            self._frames = saved
 
     def _before_augmented(self, binding: nodes.AssignName, depth: int) -> Optional[str]:
         """The one kind of the plain assignments of ``binding``'s name earlier in its scope."""

@@ -11,7 +11,7 @@ from flake8_amp.analysis.context import (
     object_key,
     scope_nodes,
 )
-from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, LOW
+from flake8_amp.analysis.dtypes import FP32, LOW
 from flake8_amp.analysis.names import (
     calls_in_order,
     chain_root,

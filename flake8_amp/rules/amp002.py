@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from astroid import nodes
 
-from flake8_amp.analysis.context import name_words
+from flake8_amp.analysis.context import name_words, named_for_loss
 from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_low
 from flake8_amp.analysis.names import (
     chain_root,
@@ -47,10 +47,6 @@ LOSS_FUNCTIONS = frozenset(
         "nll_loss",
     }
 )
-#: Words naming a loss callable defined elsewhere (``criterion``, ``loss_fn``, ``compute_loss``).
-LOSS_WORDS = frozenset({"loss", "losses", "criterion"})
-#: Words naming something else that takes a loss (``loss_scaler(loss, optimizer)``).
-NOT_LOSS_WORDS = frozenset({"scaler", "scale", "meter", "logger", "log", "record"})
 #: Reductions that make a scalar of a whole tensor (no ``dim``): how a loss ends.
 FULL_REDUCTIONS = frozenset({"mean", "sum"})
 #: Methods returning models whose forward casts outputs to fp32 (accelerate, Lightning Fabric).
@@ -151,11 +147,11 @@ class LossOutsideAutocast(Check):
             if not self._computes_loss(definition):
                 return None
             named = local_class.name if local_class is not None else definition.name
-            return "known" if _named_for_loss(named) else "computed"
+            return "known" if named_for_loss(named) else "computed"
         if local_class is None and (callee is None or not callee.qualname.startswith("torch.")):
             # Built or defined elsewhere: ``criterion(out, y)``, ``self.loss = build_loss(cfg)``,
             # ``from .losses import focal_loss``.
-            if _named_for_loss(name) or (callee is not None and _named_for_loss(callee.name)):
+            if named_for_loss(name) or (callee is not None and named_for_loss(callee.name)):
                 return "known"
         return None
 
@@ -359,8 +355,3 @@ def _is_torch_loss(qualname: str, instance: bool) -> bool:
         and qualname.count(".") <= 3
         and (name.endswith("_loss") or name in LOSS_FUNCTIONS)
     )
-
-
-def _named_for_loss(name: str) -> bool:
-    words = set(name_words(name))
-    return bool(words & LOSS_WORDS) and not words & NOT_LOSS_WORDS

@@ -12,7 +12,8 @@ from flake8_amp.analysis.dtypes import (
     autocast_fp32_op,
     is_low,
 )
-from flake8_amp.analysis.names import method_call
+from flake8_amp.analysis.context import named_for_loss
+from flake8_amp.analysis.names import code_frame, method_call
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
@@ -43,9 +44,30 @@ class LowPrecisionReduce(Check):
         region = self.context.regions.autocast_at(node)
         if region is not None and autocast_fp32_op(op, region):
             return
+        if region is None and self._in_loss_definition(node):
+            return  # a loss called after the autocast block on its outputs: AMP002's finding
         if self.context.grad.not_training_at(node):
             return  # pure low-precision inference/evaluation is a legitimate choice
         self.report(node, op=op, dtype=DTYPE_NAMES.get(kind, "float16/bfloat16"))
+
+    def _in_loss_definition(self, node: nodes.NodeNG) -> bool:
+        """``node`` is in a function named for a loss, or a method of a class named for one
+        (``FocalLoss.forward``), that opens no autocast region itself: its low-precision
+        inputs come from its callers."""
+        frame = code_frame(node)
+        if not isinstance(frame, nodes.FunctionDef):
+            return False
+        owner = frame.parent
+        if not (
+            named_for_loss(frame.name)
+            or isinstance(owner, nodes.ClassDef) and named_for_loss(owner.name)
+        ):
+            return False
+        regions = self.context.regions
+        return not any(
+            regions.opened_by(block) is not None
+            for block in frame.nodes_of_class(nodes.With, skip_klass=nodes.FunctionDef)
+        )
 
     def _chosen_bf16(self, expr: nodes.NodeNG, depth: int = 4) -> bool:
         """The code cast these values to bf16 itself (``X = G.bfloat16()`` in a Newton-Schulz

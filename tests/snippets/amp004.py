@@ -336,3 +336,58 @@ class HalfMemoryBankStats(nn.Module):
     @torch.no_grad()
     def bank_norm(self):
         return self.bank.norm(dim=1).mean().item()
+
+
+# ---- a parameter's dtype is what every call site in the module passes ---------------------
+class MinibatchStdDev(nn.Module):
+    def forward(self, x):
+        y = x.view(4, -1, *x.shape[1:])
+        y = torch.sqrt(y.var(0, unbiased=False) + 1e-4)  # AMP004
+        return torch.cat([x, y.mean([1, 2, 3], keepdim=True).expand_as(x[:, :1])], 1)  # AMP004
+
+
+class StdDevDiscriminator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 64, 3)
+        self.mbstd = MinibatchStdDev()
+
+    def forward(self, img):
+        return self.mbstd(self.conv(img))
+
+
+def discriminator_step(img, optimizer):
+    disc = StdDevDiscriminator()
+    with torch.autocast("cuda", dtype=torch.float16):
+        score = disc(img).flatten(1).sum(1)
+    score.float().mean().backward()
+    optimizer.step()
+
+
+def standardise(x):
+    return (x - x.mean()) / x.std()
+
+
+def standardise_callers(model, batch, optimizer):
+    normed_input = standardise(batch.float())
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(normed_input)
+    standardise(out.float()).pow(2).mean().backward()
+    optimizer.step()
+
+
+class FocalLoss(nn.Module):
+    def forward(self, logits, targets):
+        bce = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
+        return ((1 - torch.exp(-bce)) ** 2 * bce).mean()
+
+
+def focal_loss_after_the_block(model, images, labels, optimizer):
+    criterion = FocalLoss()
+    head = nn.Linear(512, 10)
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = head(model(images))
+    # the call is AMP002; AMP004 inside FocalLoss would say it again
+    loss = criterion(logits, labels)  # AMP002
+    loss.backward()
+    optimizer.step()
