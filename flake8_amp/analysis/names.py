@@ -519,13 +519,7 @@ class Names:
         ):
             expr = expr.func.expr
         if isinstance(expr, nodes.IfExp):
-            # ``Cls() if use_amp else None``: an arm holding None holds no module
-            arms = [
-                arm
-                for arm in (expr.body, expr.orelse)
-                if not (isinstance(arm, nodes.Const) and arm.value is None)
-            ]
-            return self._all_constructions(arms, depth)
+            return self._all_constructions([expr.body, expr.orelse], depth)
         if isinstance(expr, nodes.Call):
             qualname = self.qualname(expr.func) or ""
             if qualname in MODULE_WRAPPERS:
@@ -554,6 +548,8 @@ class Names:
                     binding.parent, nodes.Comprehension
                 ):
                     continue
+                if _is_none(assigned_value(binding)):
+                    continue  # ``loss_scaler = None`` (then ``NativeScaler()`` if amp)
                 built = self._binding_constructions(binding, depth)
                 if not built:
                     return None
@@ -565,9 +561,13 @@ class Names:
     def _all_constructions(
         self, values: Sequence[Optional[nodes.NodeNG]], depth: int
     ) -> Optional[List[nodes.NodeNG]]:
-        """The constructions of every one of ``values``; None if any is unknown (or none)."""
+        """The constructions of every one of ``values``; None if any is unknown (or none).
+        A ``None`` among them holds no object (``Cls() if use_amp else None``, a parameter
+        defaulting to None): where the object is used, it is one of the others."""
         found: List[nodes.NodeNG] = []
         for value in values:
+            if _is_none(value):
+                continue
             built = self.constructions(value, depth) if value is not None else None
             if not built:
                 return None
@@ -1093,6 +1093,10 @@ def _binds_self(function: nodes.NodeNG) -> bool:
         return False
     decorators = function.decorators.nodes if function.decorators else []
     return not any(isinstance(d, nodes.Name) and d.name == "staticmethod" for d in decorators)
+
+
+def _is_none(value: Optional[nodes.NodeNG]) -> bool:
+    return isinstance(value, nodes.Const) and value.value is None
 
 
 def argument_for(

@@ -386,3 +386,48 @@ def object_reported_inside_not_at_the_call(model, batch):
     runner = BackwardInItsOwnRegion()
     with torch.autocast("cuda"):
         runner(model, batch)
+
+
+# ---- timm's loss scaler object, handed in as an optional parameter ----------------------
+class NativeScalerWithClip:
+    def __init__(self):
+        self._scaler = torch.amp.GradScaler("cuda")
+
+    def __call__(self, loss, optimizer, parameters=None):
+        self._scaler.scale(loss).backward()
+        self._scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        self._scaler.step(optimizer)
+        self._scaler.update()
+
+
+def timm_epoch(model, loader, optimizer, loss_fn, amp_autocast=contextlib.nullcontext, loss_scaler=None):
+    for images, target in loader:
+        with amp_autocast():
+            loss = loss_fn(model(images), target)
+            if loss_scaler is not None:
+                loss_scaler(loss, optimizer, parameters=model.parameters())  # AMP008
+            else:
+                loss.backward()  # AMP008
+                optimizer.step()
+
+
+def timm_epoch_outside(model, loader, optimizer, loss_fn, amp_autocast=contextlib.nullcontext, loss_scaler=None):
+    for images, target in loader:
+        with amp_autocast():
+            loss = loss_fn(model(images), target)
+        if loss_scaler is not None:
+            loss_scaler(loss, optimizer, parameters=model.parameters())
+        else:
+            loss.backward()
+            optimizer.step()
+
+
+def timm_main(model, loader, optimizer, loss_fn, use_amp):
+    amp_autocast = contextlib.nullcontext
+    loss_scaler = None
+    if use_amp:
+        amp_autocast = functools.partial(torch.autocast, device_type="cuda", dtype=torch.float16)
+        loss_scaler = NativeScalerWithClip()
+    timm_epoch(model, loader, optimizer, loss_fn, amp_autocast=amp_autocast, loss_scaler=loss_scaler)
+    timm_epoch_outside(model, loader, optimizer, loss_fn, amp_autocast=amp_autocast, loss_scaler=loss_scaler)
