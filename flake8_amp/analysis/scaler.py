@@ -268,8 +268,8 @@ class ScalerFlow:
         touching the scaler no other way (``def backward(loss, scaler):
         scaler.scale(loss).backward()``): a call of it is a scaled backward."""
         phases = {state.phase for state in self.exit_states}
-        return bool(self.scaled_backwards) and not self.scaler_steps and phases == {SCALED} | (
-            phases & {None}
+        return bool(self.scaled_backwards) and not self.scaler_steps and (
+            SCALED in phases and phases <= {SCALED, None}
         )
 
     # -- statements --------------------------------------------------------------------
@@ -565,7 +565,8 @@ class ScalerAnalysis:
 
     def scalers_in(self, scope: nodes.NodeNG) -> Dict[str, Scaler]:
         """Scalers used in ``scope``: built by GradScaler, or used as ``.scale(x)``/``.unscale_``
-        and not known to be built by some other class.
+        (or handed to a function that scales a backward with it) and not known to be built by
+        some other class.
 
         Scalers whose every construction is ``enabled=False`` are left out: they do nothing.
         """
@@ -573,18 +574,14 @@ class ScalerAnalysis:
         used_as_scaler: Set[str] = set()
         for call in calls_in_order(scope) if not isinstance(scope, nodes.Lambda) else ():
             method, receiver = method_call(call)
-            key = expression_key(receiver) if receiver is not None else None
-            if key is None:
-                continue
-            receivers.setdefault(key, receiver)
-            if (method == "scale" and len(call.args) == 1) or method == "unscale_":
-                used_as_scaler.add(key)
-        for call in calls_in_order(scope) if not isinstance(scope, nodes.Lambda) else ():
-            for argument in self._scaled_backward_scalers(call):
-                key = expression_key(argument)
+            uses = [(receiver, method == "scale" and len(call.args) == 1 or method == "unscale_")]
+            uses += [(argument, True) for argument in self._scaled_backward_scalers(call)]
+            for expr, as_scaler in uses:
+                key = expression_key(expr) if expr is not None else None
                 if key is not None:
-                    receivers.setdefault(key, argument)
-                    used_as_scaler.add(key)
+                    receivers.setdefault(key, expr)
+                    if as_scaler:
+                        used_as_scaler.add(key)
         scalers = {}
         for key, receiver in receivers.items():
             # what call sites pass says which scaler a parameter used to scale or unscale
