@@ -13,7 +13,7 @@ from __future__ import annotations
 import builtins
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from astroid import nodes
 from astroid.manager import AstroidManager
@@ -409,11 +409,14 @@ class Names:
             return canonical(f"{base}.{expr.attrname}") if base else None
         if not isinstance(expr, nodes.Name):
             return None
-        bindings = self.bindings(expr)
-        if len(bindings) != 1:
-            results = {self._binding_qualname(expr.name, b, _depth) for b in bindings}
-            return results.pop() if len(results) == 1 else None
-        return self._binding_qualname(expr.name, bindings[0], _depth)
+        results = self.possible_qualnames(expr, _depth)
+        return results.pop() if len(results) == 1 else None
+
+    def possible_qualnames(self, name: nodes.Name, _depth: int = 0) -> Set[Optional[str]]:
+        """The dotted name each binding of ``name`` gives it (None where unknown): one for
+        most names, several for a vendor dispatch (``if npu: from torch.npu.amp import
+        GradScaler ... else: from torch.cuda.amp import GradScaler``)."""
+        return {self._binding_qualname(name.name, b, _depth) for b in self.bindings(name)}
 
     def _binding_qualname(self, name: str, binding: nodes.NodeNG, depth: int) -> Optional[str]:
         if isinstance(binding, nodes.Import):

@@ -61,10 +61,15 @@ class DeprecatedAmpApi(Check):
         # A name counts only when imported: a variable bound to the API is reported where bound.
         bindings = self.context.names.bindings(node)
         if bindings and all(isinstance(b, (nodes.Import, nodes.ImportFrom)) for b in bindings):
-            self._check(node)
+            # imported by a vendor dispatch (``torch.npu.amp`` ... else ``torch.cuda.amp``), it
+            # is the deprecated API on CUDA unless some arm imports ``torch.amp``
+            possible = self.context.names.possible_qualnames(node)
+            deprecated = sorted(name for name in possible if name in REPLACEMENTS)
+            if deprecated and not any(_is_modern(name) for name in possible):
+                self._check(node, deprecated[0])
 
-    def _check(self, node: nodes.NodeNG) -> None:
-        old = self.context.names.qualname(node)
+    def _check(self, node: nodes.NodeNG, old: Optional[str] = None) -> None:
+        old = old or self.context.names.qualname(node)
         if old in REPLACEMENTS and not self._version_gated(node):
             self.report(node, old=old, new=REPLACEMENTS[old])
 
@@ -137,12 +142,16 @@ class DeprecatedAmpApi(Check):
             if isinstance(sub, nodes.ImportFrom) and (sub.modname or "").startswith("torch.amp"):
                 return True
             if isinstance(sub, (nodes.Name, nodes.Attribute)):
-                qualname: Optional[str] = self.context.names.qualname(sub)
-                if qualname is not None and (
-                    qualname.startswith("torch.amp.") or qualname in ("torch.amp", "torch.autocast")
-                ):
+                if _is_modern(self.context.names.qualname(sub)):
                     return True
         return False
+
+
+def _is_modern(qualname: Optional[str]) -> bool:
+    """``torch.amp``, anything in it, or ``torch.autocast``."""
+    return qualname is not None and (
+        qualname.startswith("torch.amp.") or qualname in ("torch.amp", "torch.autocast")
+    )
 
 
 def _catches_fallback(statement: nodes.NodeNG) -> bool:

@@ -303,3 +303,20 @@ def version_test_offering_torch_amp(model, batch, digit_version):
         ctx = torch.autocast("cuda")
     with ctx:
         return model(batch)
+
+
+# ---- a vendor dispatch of imports: the deprecated API is what CUDA gets ------------------
+def vendor_dispatch_scaler(is_npu_available):
+    if is_npu_available():
+        from torch.npu.amp import GradScaler as DispatchScaler
+    else:
+        from torch.cuda.amp import GradScaler as DispatchScaler
+    return DispatchScaler()  # AMP009
+
+
+def vendor_dispatch_to_torch_amp(is_npu_available):
+    if is_npu_available():
+        from torch.npu.amp import GradScaler as DispatchScaler
+    else:
+        from torch.amp import GradScaler as DispatchScaler
+    return DispatchScaler("cuda")
