@@ -12,7 +12,9 @@ Knowledge flows through names (per function, the assignments that reach the use)
 ``self.<x>`` attributes (when every assignment in the class agrees; a
 ``self.register_buffer("x", value)`` is one), tuple
 unpacking (``top, idx = x.topk(k)``; ``out, h = decode(x)`` and ``a, b = self(x)`` take that
-element of what the function or ``forward`` returns), in-place arithmetic (``x += y`` keeps
+element of what the function or ``forward`` returns; ``q, k, v = qkv(x).chunk(3)`` and a
+``forward`` returning ``torch.split(x, n)`` give each element the one kind of the sequence),
+in-place arithmetic (``x += y`` keeps
 ``x``'s dtype), arithmetic (Python numbers, also by name or as a
 parameter's default, take the tensor's dtype; fp32 wins over any other operand),
 indexing, dtype-preserving methods, the return values of the module's functions and their
@@ -35,14 +37,15 @@ autocast, the input's dtype under CPU autocast, unknown where the device is unkn
 their input's dtype (activations, dropout, batch norm); ``nn.Sequential`` feeds its elements
 in turn (or, for a list built in a loop, needs every element to keep its input's dtype but
 those producing one same kind). Where no region is known, a low-precision op on fp32 input
-is unknown in a function whose callers are all elsewhere (a caller may run it under
-autocast). Regions are those of the call sites with gradients on (the training run). A
+is unknown in a function that a caller elsewhere may run under autocast: one with no call
+in the module, or called only from such functions (a model's layers under a Lightning
+``training_step``). Regions are those of the call sites with gradients on (the training run). A
 model from elsewhere stays unknown.
 """
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -185,6 +188,12 @@ CONVERSIONS = frozenset({"to", "type", "type_as"})
 #: Ops returning ``(values, indices)``: values keep the input's dtype.
 VALUES_AND_INDICES: FrozenSet[str] = frozenset(
     "topk max min sort kthvalue mode median nanmedian cummax cummin".split()
+)
+#: Ops returning tensors of different dtypes (a mantissa and an int exponent, values and
+#: counts or pivots).
+MIXED_RESULTS: FrozenSet[str] = frozenset(
+    "frexp unique unique_consecutive histogram histogramdd lu lu_factor lu_unpack eig eigh slogdet"
+    .split()
 )
 #: Builtins and tensor methods returning Python numbers, which take a tensor's dtype.
 NUMBER_BUILTINS = frozenset({"len", "float", "int", "round"})
@@ -376,15 +385,27 @@ class Dtypes:
         return self.regions.autocast_at(node, with_grad=True)
 
     def _autocast_known_off(self, node: nodes.NodeNG) -> bool:
-        """No caller can have autocast on at ``node``: module-level code, or a function of
-        a script whose every call (in a followed frame, or in the module) is outside
-        regions."""
+        """No caller can have autocast on at ``node``: module-level code, code followed from a
+        call outside regions, or a function whose every call in the module is inside some
+        region or itself in code known to be off -- up to code with no caller here, which
+        someone elsewhere (a framework's ``training_step``) may run under autocast."""
         frame = code_frame(node)
         if any(function is frame for function, _, _ in self._frames):
             return True
-        if not isinstance(frame, nodes.FunctionDef):
+        return self._callers_off(frame, set())
+
+    def _callers_off(self, frame: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> bool:
+        if not isinstance(frame, nodes.FunctionDef) or frame in visiting:
             return True
-        return bool(self.regions.call_sites(frame))
+        sites = self.regions.call_sites(frame)
+        if not sites:
+            return False
+        visiting.add(frame)
+        return all(
+            self.regions.region_at(site) is not None
+            or self._callers_off(code_frame(site), visiting)
+            for site in sites
+        )
 
     def _followed(
         self, function: nodes.FunctionDef, call: nodes.Call, depth: int, element: int = -1
@@ -596,8 +617,10 @@ class Dtypes:
         return kinds.pop() if len(kinds) == 1 else None
 
     def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
-        """``a, b = x.half(), y`` (the element), ``top, idx = x.topk(k)`` (x's dtype, ints), or
-        ``out, hs = decode(h)`` of a function of this module (that element of its return)."""
+        """``a, b = x.half(), y`` (the element), ``top, idx = x.topk(k)`` (x's dtype, ints),
+        ``out, hs = decode(h)`` of a function of this module (that element of its return), or
+        an element of a sequence of tensors of one kind (``q, k = self.qkv(x).chunk(2)``,
+        ``f1, f2 = self.fnet([a, b])`` whose ``forward`` returns ``torch.split(x, n)``)."""
         unpacked = unpacked_value(binding)
         if unpacked is None:
             return None
@@ -608,11 +631,22 @@ class Dtypes:
             return None
         function = self.names.local_function(value) or self._forward_called(value)
         if function is not None:
-            return self._followed(function, value, depth, element=index)
+            element = self._followed(function, value, depth, element=index)
+            if element is not None:
+                return element
         method, receiver = method_call(value)
-        if method in VALUES_AND_INDICES and receiver is not None and index < 2:
-            return INT if index == 1 else self._of(receiver, depth)
-        return None
+        callee = self.names.callee(value) if method is None else None
+        name = method or (callee.name if callee is not None else None)
+        source = receiver if method is not None else (value.args[0] if value.args else None)
+        if name in VALUES_AND_INDICES:
+            if index >= 2 or source is None:
+                return None
+            return INT if index == 1 else self._of(source, depth)
+        if name in MIXED_RESULTS or any(
+            (kw.arg or "").startswith("return_") for kw in value.keywords or ()
+        ):
+            return None  # ``out, idx = F.max_pool2d(x, 2, return_indices=True)``
+        return self._of(value, depth)
 
     def _binop(self, expr: nodes.BinOp, depth: int) -> Optional[str]:
         if expr.op == "@":

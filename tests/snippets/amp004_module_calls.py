@@ -439,3 +439,45 @@ def train_encoder_or_backbone(args, x, optimizer):
         penalty = logits.abs().mean()
     penalty.backward()
     optimizer.step()
+
+
+# ---- elements unpacked from a sequence of tensors of one kind --------------------------
+class PairEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 128, 3)
+
+    def forward(self, x):
+        is_list = isinstance(x, (tuple, list))
+        if is_list:
+            batch = x[0].shape[0]
+            x = torch.cat(x, dim=0)
+        x = self.conv(x)
+        if is_list:
+            x = torch.split(x, [batch, batch], dim=0)
+        return x
+
+
+def standardize(feat):
+    return (feat - feat.mean(dim=1, keepdim=True)) / feat.std(dim=1, keepdim=True)  # AMP004 AMP004
+
+
+class FlowNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fnet = PairEncoder()
+        self.qkv = nn.Linear(128, 384)
+
+    def forward(self, image1, image2):
+        with torch.autocast("cuda", dtype=torch.float16):
+            fmap1, fmap2 = self.fnet([image1, image2])
+            fmap1, fmap2 = standardize(fmap1), standardize(fmap2)
+            q, k, v = self.qkv(fmap1.flatten(2).transpose(1, 2)).chunk(3, dim=-1)
+            pooled, indices = F.max_pool1d(v.transpose(1, 2), 2, return_indices=True)
+            return q.var(dim=-1) + k.mean() + indices.sum(), pooled  # AMP004 AMP004
+
+
+def flow_step(image1, image2, optimizer):
+    out, _ = FlowNet()(image1, image2)
+    out.float().mean().backward()
+    optimizer.step()
