@@ -93,7 +93,7 @@ def knn_monitor(model, memory_loader, test_loader, k=200, t=0.1, num_classes=100
         sim_weight = (sim_weight / t).exp()
         one_hot = torch.zeros(f.size(0) * k, num_classes, device=sim_labels.device, dtype=sim_weight.dtype)
         one_hot.scatter_(dim=-1, index=sim_labels.view(-1, 1), value=1.0)
-        pred_scores = torch.sum(one_hot.view(f.size(0), -1, num_classes) * sim_weight.unsqueeze(-1), dim=1)  # not labelled: AMP004 exempts no_grad code (its page)
+        pred_scores = torch.sum(one_hot.view(f.size(0), -1, num_classes) * sim_weight.unsqueeze(-1), dim=1)  # not labelled: AMP004 leaves evaluation code alone (model.eval(), nothing trained here)
         correct += (pred_scores.argmax(dim=-1) == y.cuda()).sum().item()
         total += y.size(0)
     return correct / total

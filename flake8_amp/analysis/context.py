@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 from astroid import nodes
 
@@ -191,14 +191,23 @@ class GradContext:
 
     def no_grad_at(self, node: nodes.NodeNG) -> bool:
         """``node`` runs under no_grad / inference_mode / set_grad_enabled(False)."""
+        return self._inside(node, self._disables_grad)
+
+    def inference_mode_at(self, node: nodes.NodeNG) -> bool:
+        """``node`` runs under ``torch.inference_mode()``: inference by its own declaration."""
+        return self._inside(node, self._is_inference_mode)
+
+    @staticmethod
+    def _inside(node: nodes.NodeNG, opens: Callable[[nodes.NodeNG], bool]) -> bool:
+        """A ``with`` item or a decorator of an enclosing function ``opens`` the context."""
         child, parent = node, node.parent
         while parent is not None:
             if isinstance(parent, nodes.With) and not any(child is e for e, _ in parent.items):
-                if any(self._disables_grad(expr) for expr, _ in parent.items):
+                if any(opens(expr) for expr, _ in parent.items):
                     return True
             elif isinstance(parent, nodes.FunctionDef) and parent.decorators is not None:
                 if child is not parent.decorators and any(
-                    self._disables_grad(d) for d in parent.decorators.nodes
+                    opens(d) for d in parent.decorators.nodes
                 ):
                     return True
             child, parent = parent, parent.parent
@@ -571,6 +580,11 @@ class GradContext:
             mode = expr.args[0] if expr.args else keyword_value(expr, "mode")
             return isinstance(mode, nodes.Const) and mode.value is False
         return False
+
+    def _is_inference_mode(self, expr: nodes.NodeNG) -> bool:
+        target = expr.func if isinstance(expr, nodes.Call) else expr
+        name = last_part(self.names.qualname(target) or "") or simple_name(target)
+        return name == "inference_mode"
 
     def _is_eval_scope(self, scope: nodes.NodeNG) -> bool:
         """``scope`` calls ``.eval()`` and trains nothing itself (no ``.step()``, nothing

@@ -26,8 +26,9 @@ DTYPE_NAMES = {FP16: "float16", BF16: "bfloat16"}
 class LowPrecisionReduce(Check):
     """Reductions accumulate rounding error (and overflow in fp16) unless upcast.
 
-    Not reported in no_grad / inference / evaluation code, where casting to fp16 on
-    purpose is common and endorsed.
+    Not reported in inference / evaluation code, where computing in fp16 on purpose is
+    common and endorsed; ``no_grad`` alone is not that (DINO's center update, a memory
+    queue's statistics: training state computed without gradients).
     """
 
     code = "AMP004"
@@ -46,7 +47,8 @@ class LowPrecisionReduce(Check):
             return
         if region is None and self._in_loss_definition(node):
             return  # a loss called after the autocast block on its outputs: AMP002's finding
-        if self.context.grad.not_training_at(node):
+        grad = self.context.grad
+        if grad.inference_at(node) or grad.inference_mode_at(node) or grad.checking_at(node):
             return  # pure low-precision inference/evaluation is a legitimate choice
         self.report(node, op=op, dtype=DTYPE_NAMES.get(kind, "float16/bfloat16"))
 

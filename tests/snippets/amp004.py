@@ -327,7 +327,7 @@ class Fp32MemoryBank(nn.Module):
 
 
 class HalfMemoryBankStats(nn.Module):
-    """A statistic under no_grad: pure low precision there is a choice (see the rule)."""
+    """A statistic of training state under no_grad is still computed in fp16."""
 
     def __init__(self, size, dim):
         super().__init__()
@@ -335,7 +335,7 @@ class HalfMemoryBankStats(nn.Module):
 
     @torch.no_grad()
     def bank_norm(self):
-        return self.bank.norm(dim=1).mean().item()
+        return self.bank.norm(dim=1).mean().item()  # AMP004
 
 
 # ---- a parameter's dtype is what every call site in the module passes ---------------------
