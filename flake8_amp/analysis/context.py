@@ -504,11 +504,13 @@ class GradContext:
                         frozen = leaving.setdefault(branch, set())
                     else:
                         frozen = in_eval if node.func.attrname == "eval" else without_grad
+                    root = chain_root(node.func.expr, CHAIN_METHODS)
                     frozen.update(
                         {
                             node.func.expr.as_string(),
-                            object_key(chain_root(node.func.expr, CHAIN_METHODS)),
+                            object_key(root),
                             object_key(assign_target(node)),
+                            *_loop_elements(root),
                         }
                     )
                 elif isinstance(node, nodes.Call) and _freezing_helper(node):
@@ -520,7 +522,8 @@ class GradContext:
                 elif isinstance(node, nodes.Call):
                     trained.update(self._trained_arguments(node))
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
-                    without_grad.add(node.iter.func.expr.as_string())
+                    receiver = node.iter.func.expr
+                    without_grad.update({receiver.as_string(), *_loop_elements(receiver)})
             frozen_objects = (without_grad - trained) | (in_eval - trained - in_train_mode)
             self._frozen_objects[scope] = (
                 frozenset(frozen_objects - {""}),
@@ -708,6 +711,24 @@ def _freezing_helper(call: nodes.Call) -> bool:
         return True
     flags = list(call.args[1:]) + [kw.value for kw in call.keywords or ()]
     return {"requires", "grad"} <= set(words) and any(_is_false(flag) for flag in flags)
+
+
+def _loop_elements(expr: nodes.NodeNG) -> List[str]:
+    """The objects a loop variable stands for, in a loop over a literal tuple or list
+    (``for m in (vae, text_encoder): m.requires_grad_(False)`` freezes both)."""
+    if not isinstance(expr, nodes.Name):
+        return []
+    parent = expr.parent
+    while parent is not None and not isinstance(parent, (nodes.FunctionDef, nodes.Module)):
+        if (
+            isinstance(parent, nodes.For)
+            and isinstance(parent.target, nodes.AssignName)
+            and parent.target.name == expr.name
+            and isinstance(parent.iter, (nodes.Tuple, nodes.List))
+        ):
+            return [key for key in map(object_key, parent.iter.elts) if key]
+        parent = parent.parent
+    return []
 
 
 def _receiver_or_itself(arg: nodes.NodeNG) -> nodes.NodeNG:

@@ -857,3 +857,22 @@ def train_pure_fp16_flag_own_scaling(args, model, loader, optimizer):
             loss = model(x, y)
         (loss * args.static_loss_scale).backward()
         optimizer.step()
+
+
+# ---- models frozen in a loop over a tuple of them ---------------------------------------
+def distill_video(args, loader, teacher_unet, student_unet, vae, image_encoder):
+    weight_dtype = torch.float16
+    for frozen in (vae, image_encoder, teacher_unet):
+        frozen.requires_grad_(False)
+        frozen.eval()
+    for module in [vae, image_encoder]:
+        for p in module.parameters():
+            p.requires_grad = False
+    vae.to("cuda", dtype=weight_dtype)
+    image_encoder.to("cuda", dtype=weight_dtype)
+    teacher_unet.to("cuda", dtype=weight_dtype)
+    student_unet.half()  # AMP001
+    optimizer = torch.optim.AdamW(student_unet.parameters(), lr=1e-5, eps=1e-6)
+    for batch in loader:
+        student_unet(batch).mean().backward()
+        optimizer.step()
