@@ -36,6 +36,7 @@ from flake8_amp.analysis.names import (
     is_self,
     keyword_value,
     method_call,
+    returned_values,
 )
 
 GRAD_SCALERS = frozenset(
@@ -176,7 +177,9 @@ def other_arm(branch: nodes.NodeNG, child: nodes.NodeNG) -> List[nodes.NodeNG]:
 class ScalerFlow:
     """The scaler flow of one function or module body (see the module docstring)."""
 
-    def __init__(self, analysis: "ScalerAnalysis", scope: nodes.NodeNG):
+    def __init__(
+        self, analysis: "ScalerAnalysis", scope: nodes.NodeNG, entry: Optional[str] = None
+    ):
         self.scope = scope
         self._analysis = analysis
         self.scalers: Dict[str, Scaler] = analysis.scalers_in(scope)
@@ -190,7 +193,7 @@ class ScalerFlow:
         self.exit_states: Set[PathState] = set()
         if self.scalers:
             body = scope.body if isinstance(scope, (nodes.FunctionDef, nodes.Module)) else []
-            self.exit_states.update(self._block(body, frozenset({PathState()})))
+            self.exit_states.update(self._block(body, frozenset({PathState(phase=entry)})))
 
     # -- queries -----------------------------------------------------------------------
 
@@ -437,6 +440,10 @@ class ScalerFlow:
         return key is not None and key in state.scaled_names
 
 
+def _flow_scope(node: nodes.NodeNG) -> nodes.NodeNG:
+    return node if isinstance(node, (nodes.FunctionDef, nodes.Module)) else node.scope()
+
+
 def _scaled(state: PathState) -> PathState:
     """``state`` after a scaled backward: new scaled gradients, not yet stepped or zeroed."""
     return replace(state, phase=SCALED, stepped=frozenset(), zeroed=frozenset())
@@ -548,20 +555,32 @@ class ScalerAnalysis:
         self.context = context
         self.names = context.names
         self._flows: Dict[nodes.NodeNG, ScalerFlow] = {}
+        self._base_flows: Dict[nodes.NodeNG, ScalerFlow] = {}
         self._helpers: Dict[nodes.NodeNG, bool] = {}
         #: Functions whose flow is being built (a helper calling back its caller).
         self._building: Set[nodes.NodeNG] = set()
 
     def flow(self, node: nodes.NodeNG) -> ScalerFlow:
-        """The flow of the function (or module body) that ``node`` runs in."""
-        scope = node.scope() if not isinstance(node, (nodes.FunctionDef, nodes.Module)) else node
+        """The flow of the function (or module body) that ``node`` runs in, entered in the
+        phase its callers leave (:meth:`entry_phase`)."""
+        scope = _flow_scope(node)
         if scope not in self._flows:
+            base = self._base_flow(scope)
+            entry = self.entry_phase(base)
+            self._flows[scope] = base if entry is None else ScalerFlow(self, scope, entry)
+        return self._flows[scope]
+
+    def _base_flow(self, node: nodes.NodeNG) -> ScalerFlow:
+        """The flow of ``node``'s scope entered with no scaled gradients: what the analyses
+        of other functions ask (so no flow depends on another's entry phase)."""
+        scope = _flow_scope(node)
+        if scope not in self._base_flows:
             self._building.add(scope)
             try:
-                self._flows[scope] = ScalerFlow(self, scope)
+                self._base_flows[scope] = ScalerFlow(self, scope)
             finally:
                 self._building.discard(scope)
-        return self._flows[scope]
+        return self._base_flows[scope]
 
     def scalers_in(self, scope: nodes.NodeNG) -> Dict[str, Scaler]:
         """Scalers used in ``scope``: built by GradScaler, or used as ``.scale(x)``/``.unscale_``
@@ -584,10 +603,9 @@ class ScalerAnalysis:
                         used_as_scaler.add(key)
         scalers = {}
         for key, receiver in receivers.items():
-            # what call sites pass says which scaler a parameter used to scale or unscale
-            # is; it does not make one used otherwise (``step(opt, scaler)`` in a helper
-            # that clips first is judged where it is called)
-            constructions = self.constructions(receiver, passed=key in used_as_scaler)
+            # what call sites pass says which scaler a parameter is (``def optimizer_step(
+            # model, opt, scaler, clip)`` called with a GradScaler: its clip is judged there)
+            constructions = self.constructions(receiver)
             if not constructions and (
                 key not in used_as_scaler or self.names.instance_class(receiver)
             ):
@@ -597,22 +615,59 @@ class ScalerAnalysis:
             scalers[key] = Scaler(key, tuple(constructions))
         return scalers
 
-    def constructions(
-        self, expr: nodes.NodeNG, passed: bool = True, _hops: int = 0
-    ) -> List[nodes.Call]:
+    def constructions(self, expr: nodes.NodeNG, _hops: int = 0) -> List[nodes.Call]:
         """The ``GradScaler(...)`` calls whose result ``expr`` (a name or ``self.x``) holds,
-        through names bound to it; with ``passed``, for a parameter, those that its
-        function's call sites in this module pass (``train_epoch(..., scaler)`` called from
-        ``main`` after ``scaler = GradScaler("cuda")``)."""
-        values = self.names.held_values(expr) if passed else self.names.bound_values(expr)
+        through names bound to it, what a function of this module returns (``scaler =
+        make_grad_scaler(args.amp)``) and, for a parameter, what its function's call sites
+        in this module pass (``train_epoch(..., scaler)`` called from ``main`` after
+        ``scaler = GradScaler("cuda")``)."""
         found = []
-        for value in values or ():
+        for value in self.names.held_values(expr) or ():
             if isinstance(value, nodes.Call):
                 if self.names.callee_qualname(value) in GRAD_SCALERS:
                     found.append(value)
+                    continue
+                builder = self.names.local_function(value)
+                if builder is not None and _hops < _MAX_PASSING_HOPS:
+                    for returned in returned_values(builder) or ():
+                        found.extend(self._returned_constructions(returned, _hops + 1))
             elif isinstance(value, nodes.Name) and _hops < _MAX_PASSING_HOPS:
-                found.extend(self.constructions(value, passed, _hops + 1))
+                found.extend(self.constructions(value, _hops + 1))
         return found
+
+    def _returned_constructions(self, returned: nodes.NodeNG, hops: int) -> List[nodes.Call]:
+        if isinstance(returned, nodes.Call):
+            if self.names.callee_qualname(returned) in GRAD_SCALERS:
+                return [returned]
+            return []
+        if isinstance(returned, nodes.IfExp):
+            return [
+                call
+                for arm in (returned.body, returned.orelse)
+                for call in self._returned_constructions(arm, hops)
+            ]
+        return self.constructions(returned, hops) if isinstance(returned, nodes.Name) else []
+
+    def entry_phase(self, base: ScalerFlow) -> Optional[str]:
+        """SCALED when ``base``'s scope is a function handed its scaler as a parameter and
+        every call of it in this module comes right after a scaled backward
+        (``optimizer_step(model, optimizer, scaler, clip)`` after
+        ``scaler.scale(loss).backward()``): what it clips or steps first are scaled
+        gradients, and the scaler to unscale them is at hand."""
+        scope = base.scope
+        if not isinstance(scope, nodes.FunctionDef):
+            return None
+        parameters = {argument.name for argument in scope.args.arguments}
+        if not parameters & set(base.scalers):
+            return None
+        sites = self.names.call_sites(scope)
+        phases: Set[Optional[str]] = set()
+        for site in sites:
+            caller = code_frame(site)
+            if caller in self._building:
+                return None
+            phases |= self._base_flow(caller).phases_before(site)
+        return SCALED if sites and phases == {SCALED} else None
 
     def scales_backward(self, call: nodes.Call) -> bool:
         """``call`` calls a function of this module that only runs a scaled backward
@@ -620,7 +675,7 @@ class ScalerAnalysis:
         function = self.names.local_function(call)
         if function is None or function in self._building:
             return False
-        return self.flow(function).only_scales_backward()
+        return self._base_flow(function).only_scales_backward()
 
     def _scaled_backward_scalers(self, call: nodes.Call) -> List[nodes.NodeNG]:
         """The arguments ``call`` passes as the scaler of a function that only scales a
@@ -630,7 +685,7 @@ class ScalerAnalysis:
         function = self.names.local_function(call)
         return [
             argument
-            for key in self.flow(function).scalers
+            for key in self._base_flow(function).scalers
             if (argument := argument_for(call, function.args, key)) is not None
         ]
 

@@ -742,9 +742,9 @@ class MixinNextToABaseFromElsewhere(ClipMixin, Accelerator):
 
 
 def clip_then_step(model, optimizer, step_scaler):
-    """Steps and updates the scaler it is passed but never unscales it: what it clips is
-    judged where it is called."""
-    clip_grad_norm_(model.parameters(), 1.0)
+    """Steps and updates the scaler it is passed but never unscales it, and is called right
+    after a scaled backward: its clip is the line to change (the scaler is at hand)."""
+    clip_grad_norm_(model.parameters(), 1.0)  # AMP005
     step_scaler.step(optimizer)
     step_scaler.update()
 
@@ -753,7 +753,7 @@ def train_through_clip_then_step(model, loader, optimizer):
     grad_scaler = torch.amp.GradScaler("cuda")
     for batch in loader:
         grad_scaler.scale(model(batch)).backward()
-        clip_then_step(model, optimizer, grad_scaler)  # AMP005
+        clip_then_step(model, optimizer, grad_scaler)
 
 
 def unscale_clip_then_step(model, optimizer, step_scaler):
@@ -880,3 +880,48 @@ def fsdp_epoch(model, loader, optimizer, scaler):
 def fsdp_main(module, loader, optimizer):
     model = FSDP(module)
     fsdp_epoch(model, loader, optimizer, torch.amp.GradScaler("cuda"))
+
+
+def make_grad_scaler(enabled):
+    try:
+        return torch.amp.GradScaler("cuda", enabled=enabled)
+    except (AttributeError, TypeError):
+        return torch.cuda.amp.GradScaler(enabled=enabled)
+
+
+def optimizer_step(model, optimizer, scheduler, scaler, clip):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # AMP005
+    scaler.step(optimizer)
+    scheduler.step()
+    scaler.update()
+
+
+def optimizer_step_then_plain(model, optimizer, scaler):
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.step()  # AMP006
+
+
+def train_raft(model, loader, optimizer, scheduler, args):
+    scaler = make_grad_scaler(args.mixed_precision)
+    for image1, image2, flow in loader:
+        optimizer.zero_grad()
+        loss = (model(image1, image2) - flow).abs().mean()
+        scaler.scale(loss).backward()
+        optimizer_step(model, optimizer, scheduler, scaler, args.clip)
+        scaler.scale(loss).backward()
+        optimizer_step_then_plain(model, optimizer, scaler)
+
+
+def optimizer_step_called_unscaled(model, optimizer, scaler, clip):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def train_unscaling_first(model, loader, optimizer, args):
+    scaler = make_grad_scaler(args.mixed_precision)
+    for batch in loader:
+        scaler.scale(model(batch).mean()).backward()
+        scaler.unscale_(optimizer)
+        optimizer_step_called_unscaled(model, optimizer, scaler, args.clip)
