@@ -21,6 +21,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 from astroid import nodes
 
 from flake8_amp.analysis.names import (
+    assign_target,
     assigned_value,
     call_argument,
     call_arguments,
@@ -759,14 +760,6 @@ def _freezes_parameters(loop: nodes.For) -> bool:
             if _freezes(statement.value) and statement.value.func.attrname != "eval":
                 return True
     return False
-
-
-def assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
-    """``t`` in ``t = expr`` (a name or attribute), if ``expr`` is assigned to one."""
-    parent = expr.parent
-    if isinstance(parent, nodes.Assign) and parent.value is expr and len(parent.targets) == 1:
-        return parent.targets[0]
-    return None
 
 
 def object_key(expr: Optional[nodes.NodeNG]) -> str:

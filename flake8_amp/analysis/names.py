@@ -629,12 +629,15 @@ class Names:
         """The expressions of the modules an ``nn.ModuleList`` / ``nn.Sequential`` /
         ``nn.ModuleDict`` construction holds, in order where the code shows it (a
         comprehension's element stands for all; a list spread in, ``nn.Sequential(*layers)``,
-        gives what was put in it, see :meth:`list_items`); None if unknown."""
+        gives what was put in it, see :meth:`list_items`; an empty one, what its function
+        appends to it); None if unknown."""
         if not isinstance(container, nodes.Call):
             return None
         qualname = self.qualname(container.func)
         if qualname not in MODULE_CONTAINERS or container.keywords:
             return None
+        if not container.args and qualname != "torch.nn.ModuleDict":
+            return self._added_items(container)
         if qualname == "torch.nn.Sequential":
             arguments = list(container.args)
         elif len(container.args) == 1:
@@ -655,6 +658,30 @@ class Names:
                 return None
             items.extend(held)
         return items
+
+    def _added_items(self, container: nodes.Call) -> Optional[List[nodes.NodeNG]]:
+        """What the function that builds an empty container (``self.convs = nn.ModuleList()``)
+        adds to it there (``self.convs.append(nn.Conv1d(...))``, ``.extend([...])``,
+        ``.insert(i, m)``, ``.add_module(name, m)``), in source order; None if nothing."""
+        target = assign_target(container)
+        if target is None:
+            return None
+        key = target.as_string()
+        items: List[nodes.NodeNG] = []
+        for call in container.frame().nodes_of_class(nodes.Call):
+            func = call.func
+            if not isinstance(func, nodes.Attribute) or func.expr.as_string() != key:
+                continue
+            if func.attrname == "append" and len(call.args) == 1:
+                items.append(call.args[0])
+            elif func.attrname in ("insert", "add_module") and len(call.args) == 2:
+                items.append(call.args[1])
+            elif func.attrname == "extend" and len(call.args) == 1:
+                held = self.list_items(call.args[0])
+                if held is None:
+                    return None
+                items.extend(held)
+        return items or None
 
     def list_items(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """What a list holds: a literal's elements, a comprehension's element, or for a
@@ -1096,6 +1123,14 @@ def _binds_self(function: nodes.NodeNG) -> bool:
         return False
     decorators = function.decorators.nodes if function.decorators else []
     return not any(isinstance(d, nodes.Name) and d.name == "staticmethod" for d in decorators)
+
+
+def assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """``t`` in ``t = expr`` (a name or attribute), if ``expr`` is assigned to one."""
+    parent = expr.parent
+    if isinstance(parent, nodes.Assign) and parent.value is expr and len(parent.targets) == 1:
+        return parent.targets[0]
+    return None
 
 
 def _is_none(value: Optional[nodes.NodeNG]) -> bool:

@@ -6,13 +6,13 @@ from astroid import nodes
 
 from flake8_amp.analysis.context import (
     CHAIN_METHODS,
-    assign_target,
     name_words,
     object_key,
     scope_nodes,
 )
 from flake8_amp.analysis.dtypes import FP32, LOW
 from flake8_amp.analysis.names import (
+    assign_target,
     calls_in_order,
     chain_root,
     chain_top,

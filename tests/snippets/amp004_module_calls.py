@@ -481,3 +481,36 @@ def flow_step(image1, image2, optimizer):
     out, _ = FlowNet()(image1, image2)
     out.float().mean().backward()
     optimizer.step()
+
+
+# ---- an empty container filled where it is built ---------------------------------------
+class ChannelNorm(nn.Module):
+    def forward(self, x):
+        mean = x.mean(dim=1, keepdim=True)  # AMP004
+        return (x - mean) / (x.var(dim=1, keepdim=True) + 1e-5).sqrt()  # AMP004
+
+
+class ConvStack(nn.Module):
+    def __init__(self, dims):
+        super().__init__()
+        self.convs = nn.ModuleList()
+        for d_in, d_out in zip(dims, dims[1:]):
+            self.convs.append(nn.Conv1d(d_in, d_out, 3))
+        self.norm = ChannelNorm()
+        self.heads = nn.Sequential()
+        self.heads.add_module("act", nn.GELU())
+
+    def forward(self, x):
+        for i, conv in enumerate(self.convs):
+            x = F.gelu(conv(x))
+            if i == 0:
+                x = self.norm(x)
+        return self.heads(x)
+
+
+def conv_stack_step(batch, optimizer):
+    model = ConvStack([1, 64, 128])
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(batch)
+    out.float().pow(2).mean().backward()
+    optimizer.step()
