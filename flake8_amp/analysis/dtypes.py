@@ -12,7 +12,8 @@ Knowledge flows through names (per function, the assignments that reach the use)
 ``self.<x>`` attributes (when every assignment in the class agrees; a
 ``self.register_buffer("x", value)`` is one), tuple
 unpacking (``top, idx = x.topk(k)``; ``out, h = decode(x)`` and ``a, b = self(x)`` take that
-element of what the function or ``forward`` returns; ``q, k, v = qkv(x).chunk(3)`` and a
+element of what the function or ``forward`` returns, also through a returned call such as
+``return self.head(x)``; ``q, k, v = qkv(x).chunk(3)`` and a
 ``forward`` returning ``torch.split(x, n)`` give each element the one kind of the sequence),
 in-place arithmetic (``x += y`` keeps
 ``x``'s dtype), arithmetic (Python numbers, also by name or as a
@@ -412,16 +413,10 @@ class Dtypes:
     ) -> Optional[str]:
         """The kind ``function`` returns when ``call`` runs it (a module's ``forward``, a
         function of this module), in the region ``call`` runs in -- or, with ``element``, the
-        kind of that element of the tuple it returns (``out, hs = decode(h)``); None if
+        kind of that element of what it returns (``out, hs = decode(h)``; also through a
+        returned call, ``return self.head(x)`` of a head returning ``logits, z``); None if
         unknown, for recursion, or beyond :data:`_MAX_FRAMES` calls deep."""
         returns = returned_values(function)
-        if returns and element >= 0:
-            if not all(isinstance(v, (nodes.Tuple, nodes.List)) for v in returns):
-                return None
-            sizes = {len(v.elts) for v in returns}
-            if len(sizes) != 1 or element >= sizes.pop():
-                return None
-            returns = [v.elts[element] for v in returns]
         if not returns or len(self._frames) >= _MAX_FRAMES:
             return None
         if any(function is followed for followed, _, _ in self._frames):
@@ -430,7 +425,10 @@ class Dtypes:
         saved = self._frames
         self._frames = saved + ((function, region, call),)
         try:
-            kinds = {self._of(value, depth) for value in returns}
+            kinds = {
+                self._of(value, depth) if element < 0 else self._element(value, element, depth)
+                for value in returns
+            }
         finally:
             self._frames = saved
         return kinds.pop() if len(kinds) == 1 else None
@@ -617,18 +615,22 @@ class Dtypes:
         return kinds.pop() if len(kinds) == 1 else None
 
     def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
-        """``a, b = x.half(), y`` (the element), ``top, idx = x.topk(k)`` (x's dtype, ints),
-        ``out, hs = decode(h)`` of a function of this module (that element of its return), or
-        an element of a sequence of tensors of one kind (``q, k = self.qkv(x).chunk(2)``,
-        ``f1, f2 = self.fnet([a, b])`` whose ``forward`` returns ``torch.split(x, n)``)."""
+        """The kind of the element ``binding`` takes in an unpacking assignment or loop."""
         unpacked = unpacked_value(binding)
-        if unpacked is None:
-            return None
-        value, index = unpacked
+        return self._element(*unpacked, depth) if unpacked is not None else None
+
+    def _element(self, value: nodes.NodeNG, index: int, depth: int) -> Optional[str]:
+        """The kind of element ``index`` of ``value`` unpacked: ``a, b = x.half(), y`` (the
+        element), ``top, idx = x.topk(k)`` (x's dtype, ints), ``out, hs = decode(h)`` of a
+        function of this module (that element of its return), or an element of a sequence of
+        tensors of one kind (``q, k = self.qkv(x).chunk(2)``, ``f1, f2 = self.fnet([a, b])``
+        whose ``forward`` returns ``torch.split(x, n)``)."""
         if isinstance(value, (nodes.Tuple, nodes.List)):
+            if index >= len(value.elts) or any(isinstance(e, nodes.Starred) for e in value.elts):
+                return None
             return self._of(value.elts[index], depth)
         if not isinstance(value, nodes.Call):
-            return None
+            return self._of(value, depth)
         function = self.names.local_function(value) or self._forward_called(value)
         if function is not None:
             element = self._followed(function, value, depth, element=index)

@@ -45,7 +45,8 @@ REGISTER_METHODS = {"register_buffer": "tensor", "register_parameter": "param"}
 _MAX_DEPTH = 8
 
 #: Calls returning a module that runs the module they are given (its ``forward``): the
-#: wrapped one is reached again as ``.module`` (DDP, DataParallel) or ``._orig_mod``.
+#: wrapped one is reached again as ``.module`` (DDP, DataParallel) or ``._orig_mod``; the
+#: reparametrisations return the module itself.
 MODULE_WRAPPERS = frozenset(
     {
         "torch.nn.parallel.DistributedDataParallel",
@@ -54,6 +55,10 @@ MODULE_WRAPPERS = frozenset(
         "torch.nn.parallel.DataParallel",
         "torch.compile",
         "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
+        "torch.nn.utils.weight_norm",
+        "torch.nn.utils.spectral_norm",
+        "torch.nn.utils.parametrizations.weight_norm",
+        "torch.nn.utils.parametrizations.spectral_norm",
     }
 )
 WRAPPED_ATTRIBUTES = frozenset({"module", "_orig_mod"})
@@ -590,6 +595,10 @@ class Names:
                 return [annotated]
             # ``train(model, ...)`` called here with ``model = Net().cuda()``
             return self._all_constructions(self.argument_values(binding) or [], depth)
+        unpacked = unpacked_value(binding)
+        if unpacked is not None and isinstance(unpacked[0], (nodes.Tuple, nodes.List)):
+            # ``criterion, spread = DINOLoss(...), KoLeoLoss()``
+            return self.constructions(unpacked[0].elts[unpacked[1]], depth)
         position = None
         if isinstance(parent, nodes.Tuple) and len(parent.elts) == 2:
             position, parent = parent.elts.index(binding), parent.parent

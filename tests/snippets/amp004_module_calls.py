@@ -514,3 +514,58 @@ def conv_stack_step(batch, optimizer):
         out = model(batch)
     out.float().pow(2).mean().backward()
     optimizer.step()
+
+
+# ---- an element of what a wrapper's returned head call returns; weight_norm'd layers --------
+class ProjectionHead(nn.Module):
+    def __init__(self, dim, out_dim):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 256))
+        self.last_layer = nn.utils.weight_norm(nn.Linear(256, out_dim, bias=False))
+
+    def forward(self, x):
+        z = self.mlp(x)
+        return self.last_layer(F.normalize(z, dim=-1)), z
+
+
+class CropWrapper(nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, crops):
+        return self.head(torch.cat(crops))
+
+
+class CenteredLoss(nn.Module):
+    def __init__(self, out_dim):
+        super().__init__()
+        self.register_buffer("center", torch.zeros(1, out_dim))
+
+    def forward(self, student_logits, teacher_logits):
+        loss = -(F.softmax(teacher_logits - self.center, dim=-1) * F.log_softmax(student_logits, dim=-1))
+        self.update_center(teacher_logits)
+        return loss.sum(-1).mean()
+
+    @torch.no_grad()
+    def update_center(self, teacher_logits):
+        self.center = 0.9 * self.center + 0.1 * teacher_logits.mean(dim=0, keepdim=True)  # AMP004
+
+
+class SpreadLoss(nn.Module):
+    def forward(self, feats):
+        with torch.autocast("cuda", enabled=False):
+            distances = (feats - feats.flip(0)).norm(p=2, dim=-1)  # AMP004
+            return -torch.log(distances + 1e-4).mean()  # AMP004
+
+
+def self_distillation_step(crops, optimizer):
+    student = CropWrapper(ProjectionHead(384, 4096))
+    teacher = CropWrapper(ProjectionHead(384, 4096))
+    criterion, spread = CenteredLoss(4096), SpreadLoss()
+    with torch.autocast("cuda", dtype=torch.float16):
+        teacher_logits, _ = teacher(crops[:2])
+        student_logits, student_feats = student(crops)
+        loss = criterion(student_logits, teacher_logits) + spread(student_feats)
+    loss.backward()
+    optimizer.step()
