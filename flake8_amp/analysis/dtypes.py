@@ -25,7 +25,8 @@ kind every call site in the module passes: ``self.mbstd(out)`` makes ``x`` of
 attributes of a parsed-arguments namespace (``args = parser.parse_args()``, also passed on
 as a parameter or kept as ``self.args``) are Python numbers in arithmetic: a number (or a
 0-dim tensor) does not promote a dimensioned low-precision tensor, a dimensioned fp32
-tensor does, so an attribute of any other object stays unknown.
+tensor does, so an attribute of any other object stays unknown -- unless a class of the
+module declares the field a number (``router_noise: float = 0.0`` in a config dataclass).
 
 Calls of modules whose construction is known in the module (:meth:`Names.constructions`:
 ``Net(...)``, ``self.x = Net()``, ``model: Net``, ``DDP(model).module``, ``torch.compile``,
@@ -199,6 +200,8 @@ MIXED_RESULTS: FrozenSet[str] = frozenset(
 #: Builtins and tensor methods returning Python numbers, which take a tensor's dtype.
 NUMBER_BUILTINS = frozenset({"len", "float", "int", "round"})
 NUMBER_METHODS = frozenset({"item", "size", "numel", "dim"})
+#: Annotations of a class's fields that declare Python numbers.
+NUMBER_ANNOTATIONS = frozenset({"float", "int", "bool", "Optional[float]", "Optional[int]"})
 _ARITHMETIC = frozenset({"+", "-", "*", "/"})
 _MAX_DEPTH = 12
 
@@ -692,7 +695,7 @@ class Dtypes:
             bindings = self.names.reaching_bindings(expr)
             return bool(bindings) and all(self._binds_number(b, _depth) for b in bindings)
         if isinstance(expr, nodes.Attribute):
-            if self.parsed_arguments(expr.expr):
+            if self.parsed_arguments(expr.expr) or self._number_field(expr):
                 return True
             values = self.names.bound_values(expr)
             return bool(values) and all(self.is_number(v, _depth - 1) for v in values)
@@ -705,6 +708,21 @@ class Dtypes:
                 return expr.func.name in NUMBER_BUILTINS
             qualname = self.names.qualname(expr.func) or ""
             return qualname.startswith("math.") or method_call(expr)[0] in NUMBER_METHODS
+        return False
+
+    def _number_field(self, attribute: nodes.Attribute) -> bool:
+        """``cfg.router_noise`` where ``cfg`` is an object of a class of this module that
+        declares the field a number (``router_noise: float = 0.0`` in a config dataclass)."""
+        owner = self.names.local_class(attribute.expr)
+        if owner is None:
+            return False
+        for statement in owner.body:
+            if (
+                isinstance(statement, nodes.AnnAssign)
+                and isinstance(statement.target, nodes.AssignName)
+                and statement.target.name == attribute.attrname
+            ):
+                return statement.annotation.as_string() in NUMBER_ANNOTATIONS
         return False
 
     def parsed_arguments(self, expr: nodes.NodeNG, _depth: int = 4) -> bool:

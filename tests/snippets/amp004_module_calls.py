@@ -1,5 +1,6 @@
 # AMP004 through module calls: the output of a module whose construction is known in this file.
 import argparse
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -568,4 +569,37 @@ def self_distillation_step(crops, optimizer):
         student_logits, student_feats = student(crops)
         loss = criterion(student_logits, teacher_logits) + spread(student_feats)
     loss.backward()
+    optimizer.step()
+
+
+# ---- fields a config class of the file declares numbers --------------------------------
+@dataclass
+class RouterConfig:
+    n_embd: int = 512
+    n_expert: int = 8
+    router_noise: float = 0.0
+    noise_table: object = None
+
+
+class NoisyRouter(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.noise = cfg.router_noise
+        self.table = cfg.noise_table
+
+    def forward(self, x):
+        logits = self.gate(x)
+        if self.training and self.noise > 0:
+            logits = logits + torch.randn_like(logits) * self.noise
+        load = torch.sigmoid(logits).mean(dim=0)  # AMP004
+        tabled = logits * self.table
+        return load, tabled.mean(dim=0)
+
+
+def router_step(x, optimizer):
+    router = NoisyRouter(RouterConfig(router_noise=0.1))
+    with torch.autocast("cuda", dtype=torch.float16):
+        load, tabled = router(x)
+    (load.float().sum() + tabled.float().sum()).backward()
     optimizer.step()
