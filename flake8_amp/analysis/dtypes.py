@@ -657,7 +657,9 @@ class Dtypes:
         if expr.op == "@":
             return self._autocast_output(expr, "matmul", self._of(expr.left, depth))
         if expr.op == "**":
-            return self._autocast_output(expr, "pow", self._of(expr.left, depth))
+            # a base of unknown kind may be a Python number (``(C // heads) ** -0.5``)
+            base = self._of(expr.left, depth)
+            return self._autocast_output(expr, "pow", base) if base is not None else None
         if expr.op not in _ARITHMETIC:
             return None
         return self._promote(expr.left, expr.right, depth)

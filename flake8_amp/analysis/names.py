@@ -595,10 +595,9 @@ class Names:
                 return [annotated]
             # ``train(model, ...)`` called here with ``model = Net().cuda()``
             return self._all_constructions(self.argument_values(binding) or [], depth)
-        unpacked = unpacked_value(binding)
-        if unpacked is not None and isinstance(unpacked[0], (nodes.Tuple, nodes.List)):
-            # ``criterion, spread = DINOLoss(...), KoLeoLoss()``
-            return self.constructions(unpacked[0].elts[unpacked[1]], depth)
+        value = literal_value(binding)
+        if value is not None:  # ``criterion, spread = DINOLoss(...), KoLeoLoss()``
+            return self.constructions(value, depth)
         position = None
         if isinstance(parent, nodes.Tuple) and len(parent.elts) == 2:
             position, parent = parent.elts.index(binding), parent.parent
@@ -817,7 +816,7 @@ class Names:
         for method in methods:
             for target in method.nodes_of_class(nodes.AssignAttr):
                 if is_self(target.expr) and target.frame() is method:
-                    value = assigned_value(target)
+                    value = literal_value(target)
                     found.setdefault(target.attrname, []).append(value)
         for name in REGISTER_METHODS:
             for call in self.calls_by_name.get(name, ()):
@@ -1043,6 +1042,18 @@ def assigned_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
         return parent.value
     if isinstance(parent, nodes.NamedExpr) and parent.target is binding:
         return parent.value
+    return None
+
+
+def literal_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """:func:`assigned_value`, or the element a target takes in the unpacking of a literal
+    tuple (``self.model, self.cfg = model, cfg``)."""
+    value = assigned_value(binding)
+    if value is not None:
+        return value
+    unpacked = unpacked_value(binding)
+    if unpacked is not None and isinstance(unpacked[0], (nodes.Tuple, nodes.List)):
+        return unpacked[0].elts[unpacked[1]]
     return None
 
 

@@ -603,3 +603,31 @@ def router_step(x, optimizer):
         load, tabled = router(x)
     (load.float().sum() + tabled.float().sum()).backward()
     optimizer.step()
+
+
+# ---- a model kept on self by tuple assignment, called under the trainer's autocast -------
+class TaggingHead(nn.Module):
+    def __init__(self, dim, tags):
+        super().__init__()
+        self.frame_head = nn.Linear(dim, tags)
+
+    def forward(self, frames):
+        return self.frame_head(frames).mean(dim=1)  # AMP004
+
+
+class TaggingTrainer:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def train_step(self, frames, tags):
+        with torch.autocast("cuda", dtype=torch.float16):
+            tag_logits = self.model(frames)
+        F.binary_cross_entropy_with_logits(tag_logits.float(), tags).backward()
+        self.optimizer.step()
+
+
+def run_tagging(loader):
+    model = TaggingHead(512, 527)
+    trainer = TaggingTrainer(model, torch.optim.AdamW(model.parameters()))
+    for frames, tags in loader:
+        trainer.train_step(frames, tags)

@@ -430,3 +430,36 @@ class LitEncoder(nn.Module):
     def training_step(self, batch, batch_idx):
         x, pad_mask, y = batch
         return (self(x, pad_mask) - y).pow(2).mean()
+
+
+# ---- a scale written as Python arithmetic of unknown numbers; a model kept by tuple assignment
+class HeadsAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+
+    def forward(self, x, pad_mask):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-2, -1)) * (C // self.heads) ** -0.5
+        attn.masked_fill_(pad_mask[:, None, None, :], -1e9)  # AMP007
+        return attn.softmax(dim=-1) @ v
+
+
+class TupleTrainer:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def train_step(self, x, pad_mask):
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = self.model(x, pad_mask)
+        out.float().mean().backward()
+        self.optimizer.step()
+
+
+def run_tuple_trainer(loader, dims):
+    model = HeadsAttention(*dims)
+    trainer = TupleTrainer(model, torch.optim.AdamW(model.parameters()))
+    for x, pad_mask in loader:
+        trainer.train_step(x, pad_mask)
