@@ -193,9 +193,8 @@ class LossOutsideAutocast(Check):
         if not isinstance(expr, nodes.Call):
             return False
         helper = self.context.names.local_function(expr)
-        if helper is not None:  # ``losses = self.single(outputs, targets)``
-            returns = returned_values(helper) or []
-            return bool(returns) and all(self._loss_expression(v, depth - 1) for v in returns)
+        if helper is not None:  # ``losses = self.single(outputs, targets)``, ``masked_mean(x, m)``
+            return any(self._loss_expression(v, depth - 1) for v in returned_values(helper) or [])
         callee = self.context.names.callee(expr)
         if callee is not None and (
             _is_torch_loss(callee.qualname, callee.instance)

@@ -724,3 +724,32 @@ def detr_metrics(model, loader):
             outputs = model(images)
         totals.append({k: v.item() for k, v in metrics(outputs, targets).items()})
     return totals
+
+
+# ---- a loss of this module whose reduction is a helper with a per-dim branch -------------
+def masked_mean(x, mask, dim=None):
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def ppo_policy_loss(logits, responses, old_logprobs, advantages, mask, cliprange):
+    logprobs = torch.gather(F.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    pg_losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    return masked_mean(pg_losses, mask), masked_mean((logprobs - old_logprobs) ** 2, mask)
+
+
+def masked_agreement(logits, responses, mask):
+    return masked_mean((logits.argmax(-1) == responses).float(), mask)
+
+
+def ppo_update(policy, batch, optimizer, temperature):
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = policy(batch["seq"])
+    logits = logits / temperature
+    pg_loss, approx_kl = ppo_policy_loss(logits, batch["responses"], batch["logprobs"], batch["advantages"], batch["mask"], 0.2)  # AMP002
+    agreement = masked_agreement(logits, batch["responses"], batch["mask"])
+    pg_loss.backward()
+    optimizer.step()
+    return approx_kl.item(), agreement.item()
