@@ -318,11 +318,18 @@ class Regions:
         return None
 
     def _is_null_context(self, value: Optional[nodes.NodeNG]) -> bool:
+        """``nullcontext()``, ``suppress()``..., or a class of this module whose ``__enter__``
+        and ``__exit__`` do nothing (nnU-Net's ``dummy_context``)."""
         target = value.func if isinstance(value, nodes.Call) else value
         if not isinstance(target, (nodes.Name, nodes.Attribute)):
             return False
         qualname = self.names.qualname(target) or simple_name(target)
-        return qualname in NULL_CONTEXTS
+        if qualname in NULL_CONTEXTS:
+            return True
+        classdef = self.names.local_class(value) if isinstance(value, nodes.Call) else None
+        return classdef is not None and all(
+            _does_nothing(self.names.method_of(classdef, name)) for name in ("__enter__", "__exit__")
+        )
 
     def _call_spec(self, call: nodes.Call, owner: nodes.NodeNG, depth: int) -> Optional[Region]:
         callee = self.names.callee(call)
@@ -454,3 +461,22 @@ def _in_body(function: nodes.NodeNG, child: nodes.NodeNG) -> bool:
 
 def _is_decorator(expr: nodes.NodeNG) -> bool:
     return isinstance(expr.parent, nodes.Decorators)
+
+
+def _does_nothing(method: Optional[nodes.FunctionDef]) -> bool:
+    """A method whose body is only ``pass``, a docstring, or returns None/False/self."""
+    if method is None:
+        return False
+    for statement in method.body:
+        if isinstance(statement, nodes.Pass):
+            continue
+        if isinstance(statement, nodes.Expr) and isinstance(statement.value, nodes.Const):
+            continue
+        if isinstance(statement, nodes.Return) and (
+            statement.value is None
+            or isinstance(statement.value, nodes.Const) and statement.value.value in (None, False)
+            or isinstance(statement.value, nodes.Name) and statement.value.name == "self"
+        ):
+            continue
+        return False
+    return True
