@@ -537,8 +537,9 @@ class Names:
                 isinstance(expr.func, nodes.Name) and self._called_class(expr) is not None
             ):
                 return [expr]
-            # ``model = build_model(args)``: what a function of this module returns
-            function = self.local_function(expr) if isinstance(expr.func, nodes.Name) else None
+            # ``model = build_model(args)``, ``self.loss = self._build_loss()``: what a
+            # function or method of this module returns
+            function = self.local_function(expr)
             returns = returned_values(function) if function is not None else None
             return self._all_constructions(returns or [], depth)
         if isinstance(expr, nodes.Subscript):

@@ -54,7 +54,7 @@ FP32_OUTPUT_WRAPPERS = frozenset({"prepare", "prepare_model", "setup", "setup_mo
 #: How many re-assignments (``out = out.view(...)``) are followed back.
 _MAX_HOPS = 6
 #: How deep a loss definition's return expression is searched.
-_MAX_DEPTH = 6
+_MAX_DEPTH = 10
 #: Tensor methods that move or convert data; their results are not forward outputs.
 DATA_METHODS = frozenset(
     {"to", "cuda", "cpu", "type", "numpy", "item", "tolist", "new_tensor"}
@@ -101,7 +101,8 @@ class LossOutsideAutocast(Check):
         itself (``mae_loss(imgs, pred, mask)``), unless the call or the definition upcasts
         some of them (the author chose which inputs need fp32: ``clip_loss(img, txt, scale)``
         upcasting the embeddings and not the scalar temperature)."""
-        if definition is None:
+        if definition is None or not _parameters(definition) and definition.args.vararg:
+            # defined elsewhere, or ``forward(self, *args)`` (a deep-supervision wrapper)
             return self._autocast_output_name(call_argument(node, 0, "input"))
         if any(
             isinstance(arg, nodes.Call) and self.context.dtypes.cast_target(arg) == FP32
@@ -147,7 +148,7 @@ class LossOutsideAutocast(Check):
             if not self._computes_loss(definition):
                 return None
             named = local_class.name if local_class is not None else definition.name
-            return "known" if named_for_loss(named) else "computed"
+            return "known" if named_for_loss(named) or named_for_loss(name) else "computed"
         if local_class is None and (callee is None or not callee.qualname.startswith("torch.")):
             # Built or defined elsewhere: ``criterion(out, y)``, ``self.loss = build_loss(cfg)``,
             # ``from .losses import focal_loss``.
@@ -190,11 +191,18 @@ class LossOutsideAutocast(Check):
             return any(self._loss_expression(value, depth - 1) for value in values)
         if isinstance(expr, nodes.Dict):  # a dict of losses (DETR's, detectron2's)
             return any(self._loss_expression(value, depth - 1) for _, value in expr.items)
+        if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
+            return self._loss_expression(expr.elt, depth - 1)
+        if isinstance(expr, nodes.List):
+            return any(self._loss_expression(element, depth - 1) for element in expr.elts)
         if not isinstance(expr, nodes.Call):
             return False
-        helper = self.context.names.local_function(expr)
-        if helper is not None:  # ``losses = self.single(outputs, targets)``, ``masked_mean(x, m)``
+        helper = self._local_definition(expr)
+        if helper is not None:
+            # ``losses = self.single(outputs, targets)``, ``masked_mean(x, m)``, a loss module
             return any(self._loss_expression(v, depth - 1) for v in returned_values(helper) or [])
+        if self._builtin_sum(expr.func) and len(expr.args) == 1:
+            return self._loss_expression(expr.args[0], depth - 1)  # ``sum(w * l for ...)``
         callee = self.context.names.callee(expr)
         if callee is not None and (
             _is_torch_loss(callee.qualname, callee.instance)
@@ -208,6 +216,9 @@ class LossOutsideAutocast(Check):
             return not expr.keywords  # ``torch.mean(x)``
         inner = receiver if callee is None else (expr.args[0] if expr.args else None)
         return inner is not None and self._loss_expression(inner, depth - 1)
+
+    def _builtin_sum(self, func: nodes.NodeNG) -> bool:
+        return isinstance(func, nodes.Name) and func.name == "sum" and not self.context.names.bindings(func)
 
     def _upcasts(self, function: nodes.FunctionDef, parameter: str, depth: int = 3) -> bool:
         """The loss definition casts ``parameter`` to fp32 itself (``logits =

@@ -32,5 +32,8 @@ class BceUnderAutocast(Check):
             func = "binary_cross_entropy"
         else:
             return
-        if self.context.regions.autocast_at(node) is not None:
+        regions = self.context.regions
+        # every caller runs it under autocast, or every caller with gradients on does (the
+        # training call raises; an evaluation call after the block is AMP002's)
+        if regions.autocast_at(node) is not None or regions.autocast_at(node, with_grad=True):
             self.report(node, func=func)

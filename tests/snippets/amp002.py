@@ -784,3 +784,34 @@ def recorded_validation_step(network, loss, data, target, device):
     with torch.autocast(device.type, enabled=True) if device.type == "cuda" else RecordingContext():
         output = network(data)
     return loss(output, target)
+
+
+# ---- a deep-supervision wrapper kept as self.loss, built by a method --------------------
+class DeepSupervisionLossWrapper(nn.Module):
+    def __init__(self, loss, weights):
+        super().__init__()
+        self.loss, self.weights = loss, weights
+
+    def forward(self, *args):
+        return sum([self.weights[i] * self.loss(*inputs) for i, inputs in enumerate(zip(*args))])
+
+
+class SegValidator:
+    def __init__(self, network):
+        self.network = network
+        self.loss = self._build_loss()
+
+    def _build_loss(self):
+        return DeepSupervisionLossWrapper(nn.CrossEntropyLoss(), [1.0, 0.5])
+
+    @torch.no_grad()
+    def validation_step(self, data, target):
+        with torch.autocast("cuda", dtype=torch.float16):
+            output = self.network(data)
+        return self.loss(output, target)  # AMP002
+
+    @torch.no_grad()
+    def validation_step_upcast(self, data, target):
+        with torch.autocast("cuda", dtype=torch.float16):
+            output = self.network(data)
+        return self.loss([o.float() for o in output], target)

@@ -388,3 +388,47 @@ def bce_with_switch(probs, labels, use_amp=False):
 
 def caller_turns_it_on(probs, labels):
     return bce_with_switch(probs, labels, use_amp=True)
+
+
+# ---- BCE two wrappers deep, built by a method; training under autocast, validation after -----
+class DiceAndBCELoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ce = nn.BCELoss()
+
+    def forward(self, net_output, target):
+        return self.ce(torch.sigmoid(net_output), target.float())  # AMP003
+
+
+class DeepSupervision(nn.Module):
+    def __init__(self, loss, weights):
+        super().__init__()
+        self.loss, self.weights = loss, weights
+
+    def forward(self, *args):
+        return sum([self.weights[i] * self.loss(*inputs) for i, inputs in enumerate(zip(*args))])
+
+
+class SegTrainer:
+    def __init__(self, network, optimizer):
+        self.network, self.optimizer = network, optimizer
+        self.loss = None
+
+    def initialize(self):
+        self.loss = self._build_loss()
+
+    def _build_loss(self):
+        return DeepSupervision(DiceAndBCELoss(), [1.0, 0.5])
+
+    def train_step(self, data, target):
+        with torch.autocast("cuda", dtype=torch.float16):
+            output = self.network(data)
+            loss = self.loss(output, target)
+        loss.backward()
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def validation_step(self, data, target):
+        with torch.autocast("cuda", dtype=torch.float16):
+            output = self.network(data)
+        return self.loss([o.float() for o in output], target)
