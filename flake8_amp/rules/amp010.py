@@ -11,8 +11,10 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
   fp16 region of its own whose loss a plain backward backpropagates: every assignment of
   the name that reaches the backward is in the region, and the backward runs whatever the
   flags say (no ``if``/``else`` around it, not after ``if use_amp: ...; continue``);
-- a ``GradScaler(...)`` built enabled (no ``enabled=`` or ``enabled=True``:
-  ``enabled=dtype == "float16"`` is fine) when every function scaling a backward with it
+- a ``GradScaler(...)`` built enabled (no ``enabled=``, ``enabled=True``, or the
+  ``enabled=`` flag that also enables the bf16 autocasts it serves:
+  ``GradScaler(enabled=CFG["apex"])`` beside ``autocast(enabled=CFG["apex"],
+  dtype=torch.bfloat16)``; ``enabled=dtype == "float16"`` is fine) when every function scaling a backward with it
   computes its loss in bf16 regions only: its own, and those of the module's functions
   it calls for the loss (as for fp16); a function with none known keeps it silent. A
   scaler parameter is built where its function's call sites here pass it
@@ -35,6 +37,7 @@ from flake8_amp.analysis.names import (
     bound_value,
     calls_in_order,
     conditional_in,
+    keyword_value,
     names_in,
 )
 from flake8_amp.analysis.regions import BF16, FP16, Region
@@ -128,8 +131,11 @@ class ScalerDtypeMismatch(Check):
             regions = entries + self._helper_regions(scope)
             dtypes = {region.dtype for _, region in regions} or {None}
             for scaler in flow.scalers.values():
-                for construction in scaler.enabled_constructions:
-                    scaler_uses.setdefault(construction, set()).update(dtypes)
+                for construction in scaler.constructions:
+                    if construction in scaler.enabled_constructions or _switched_together(
+                        construction, [region for _, region in regions]
+                    ):
+                        scaler_uses.setdefault(construction, set()).update(dtypes)
         for construction, dtypes in scaler_uses.items():
             if dtypes == {BF16}:
                 self.report(
@@ -261,3 +267,20 @@ def _own_nodes(scope: nodes.NodeNG, kind: type) -> Iterator[nodes.NodeNG]:
         if isinstance(node, kind):
             yield node
         stack.extend(node.get_children())
+
+
+def _switched_together(construction: nodes.Call, regions: List[Region]) -> bool:
+    """``construction`` is enabled by the flag that enables every one of ``regions``
+    (``GradScaler(enabled=CFG["apex"])`` and ``autocast(enabled=CFG["apex"], ...)``)."""
+    flag = keyword_value(construction, "enabled")
+    if flag is None or not regions:
+        return False
+    return all(
+        isinstance(region.source, nodes.Call)
+        and _text(keyword_value(region.source, "enabled")) == flag.as_string()
+        for region in regions
+    )
+
+
+def _text(expr: Optional[nodes.NodeNG]) -> Optional[str]:
+    return expr.as_string() if expr is not None else None

@@ -253,3 +253,32 @@ def library_bf16_step(model, batch, optimizer, lib_scaler):
     lib_scaler.scale(loss).backward()
     lib_scaler.step(optimizer)
     lib_scaler.update()
+
+
+# ---- one flag switches both: whenever the scaler is on, the autocast is bf16 --------------
+def kaggle_train_fn(model, loader, optimizer, scaler, cfg):
+    for images, labels in loader:
+        with torch.autocast("cuda", enabled=cfg["apex"], dtype=torch.bfloat16):
+            loss = model(images, labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def kaggle_main(model, loader, optimizer, cfg):
+    scaler = torch.amp.GradScaler("cuda", enabled=cfg["apex"])  # AMP010
+    kaggle_train_fn(model, loader, optimizer, scaler, cfg)
+
+
+def different_flags_train_fn(model, loader, optimizer, scaler, cfg):
+    for images, labels in loader:
+        with torch.autocast("cuda", enabled=cfg["bf16"], dtype=torch.bfloat16):
+            loss = model(images, labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def different_flags_main(model, loader, optimizer, cfg):
+    scaler = torch.amp.GradScaler("cuda", enabled=cfg["fp16"])
+    different_flags_train_fn(model, loader, optimizer, scaler, cfg)
