@@ -28,6 +28,11 @@ as a parameter or kept as ``self.args``) are Python numbers in arithmetic: a num
 tensor does, so an attribute of any other object stays unknown -- unless a class of the
 module declares the field a number (``router_noise: float = 0.0`` in a config dataclass).
 
+In-place ops keep their tensor's dtype (``F.relu_(x)``, ``x.mul_(s)``). A module built by
+calling a class held in a variable or parameter (``norm_module(dim)`` with
+``norm_module=nn.BatchNorm3d``, or ``get_norm(cfg)`` returning it) is that class. A name
+carried round a loop (``x = stage(x)``) takes the kind its other bindings give.
+
 Calls of modules whose construction is known in the module (:meth:`Names.constructions`:
 ``Net(...)``, ``self.x = Net()``, ``model: Net``, ``DDP(model).module``, ``torch.compile``,
 the elements of ``nn.ModuleList``/``nn.Sequential`` reached by iteration or indexing): a
@@ -203,7 +208,7 @@ NUMBER_METHODS = frozenset({"item", "size", "numel", "dim"})
 #: Annotations of a class's fields that declare Python numbers.
 NUMBER_ANNOTATIONS = frozenset({"float", "int", "bool", "Optional[float]", "Optional[int]"})
 _ARITHMETIC = frozenset({"+", "-", "*", "/"})
-_MAX_DEPTH = 12
+_MAX_DEPTH = 32
 
 
 def is_low(kind: Optional[str]) -> bool:
@@ -227,6 +232,8 @@ class Dtypes:
         #: queries are being computed (the outermost one's answer is cached even if cut).
         self._cuts = 0
         self._computing = 0
+        #: Those of the cuts that were cycles.
+        self._cycles = 0
         #: The functions being followed from a call (a module's ``forward``, a function of
         #: this module), each with the region its call runs in (autocast is dynamic, so
         #: their code runs in their caller's region unless it opens its own) and the call,
@@ -348,6 +355,7 @@ class Dtypes:
         cached = self._cache.get(key, _MISSING)
         if cached is _IN_PROGRESS:  # a cycle through re-assignments or calls
             self._cuts += 1
+            self._cycles += 1
             return None
         if cached is not _MISSING:
             return cached
@@ -477,7 +485,7 @@ class Dtypes:
         if classdef is not None:
             forward = self.names.method_of(classdef, "forward")
             return self._followed(forward, call, depth) if forward is not None else None
-        qualname = self.names.qualname(construction.func) or ""
+        qualname = self.names.class_qualname(construction.func) or ""
         if qualname in MODULE_OPS:
             return self._autocast_output(call, MODULE_OPS[qualname], input_kind)
         if qualname in PRESERVING_MODULES:
@@ -499,7 +507,7 @@ class Dtypes:
             for element in self.names.constructions(item) or [None]:
                 if element is None:
                     return None
-                if self.names.qualname(getattr(element, "func", None)) in PRESERVING_MODULES:
+                if self.names.class_qualname(getattr(element, "func", None)) in PRESERVING_MODULES:
                     continue
                 produced.add(self._module_output(element, call, None, depth + 1, None, False))
         return produced.pop() if len(produced) == 1 else None
@@ -515,6 +523,8 @@ class Dtypes:
         return kinds.pop() if len(kinds) == 1 and self.names.constructions(item) else None
 
     def _compute(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
+        if isinstance(expr, nodes.AssignName):
+            return self._binding_kind(expr, depth)
         if isinstance(expr, nodes.Name):
             return self._name(expr, depth)
         if isinstance(expr, nodes.Call):
@@ -554,11 +564,23 @@ class Dtypes:
         return self._of(expr, depth)
 
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
+        """The one kind of the bindings that reach ``name``. A binding that is unknown only
+        because it depends on itself (``x = stage(x)`` in a loop: the value carried round)
+        takes the kind the others give."""
         kinds = set()
+        carried = False
         for binding in self.names.earlier_bindings(name):
-            kinds.add(self._binding_kind(binding, depth))
-            if None in kinds:
+            cycles, cuts = self._cycles, self._cuts
+            kind = self._of(binding, depth)  # cached like an expression: cycles are seen
+            only_cycles = self._cuts - cuts == self._cycles - cycles
+            if kind is None and self._cycles > cycles and only_cycles:
+                carried = True
+                continue
+            if kind is None:
                 return None
+            kinds.add(kind)
+        if carried and not kinds:
+            return None
         return kinds.pop() if len(kinds) == 1 else None
 
     def _binding_kind(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
@@ -574,10 +596,13 @@ class Dtypes:
             return self._parameter_kind(binding, depth)
         return self._unpacked(binding, depth)
 
-    def _parameter_kind(self, parameter: nodes.AssignName, depth: int) -> Optional[str]:
+    def _parameter_kind(
+        self, parameter: nodes.AssignName, depth: int, element: int = -1
+    ) -> Optional[str]:
         """What the call passes, in a function followed from a call; elsewhere the one kind
         every call site of the function in this module passes (``self.mbstd(out)`` with
-        ``out`` fp16 makes ``x`` fp16 in ``MinibatchStdDev.forward``)."""
+        ``out`` fp16 makes ``x`` fp16 in ``MinibatchStdDev.forward``). With ``element``, the
+        kind of that element of what is passed (``x_s, x_f = x`` for ``fuse([x_s, x_f])``)."""
         arguments = parameter.parent
         function = arguments.parent
         if not isinstance(function, nodes.FunctionDef):
@@ -586,23 +611,26 @@ class Dtypes:
             followed, _, call = self._frames[index]
             if followed is function:
                 argument = argument_for(call, arguments, parameter.name)
-                return self._in_frames(self._frames[:index], argument, depth)
+                return self._in_frames(self._frames[:index], argument, depth, element)
         kinds = set()
         for site in self.regions.call_sites(function):
             argument = argument_for(site, arguments, parameter.name)
-            kinds.add(self._of(argument, depth) if argument is not None else None)
+            kinds.add(self._in_frames(self._frames, argument, depth, element))
             if None in kinds:
                 return None
         return kinds.pop() if len(kinds) == 1 else None
 
-    def _in_frames(self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int) -> Optional[str]:
-        """The kind of ``expr`` evaluated with ``frames`` followed (its caller's view)."""
+    def _in_frames(
+        self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int, element: int = -1
+    ) -> Optional[str]:
+        """The kind of ``expr`` (or of its element ``element``) evaluated with ``frames``
+        followed (its caller's view)."""
         if expr is None:
             return None
         saved = self._frames
         self._frames = frames
         try:
-            return self._of(expr, depth)
+            return self._of(expr, depth) if element < 0 else self._element(expr, element, depth)
         finally:
             self._frames = saved
 
@@ -632,6 +660,10 @@ class Dtypes:
             if index >= len(value.elts) or any(isinstance(e, nodes.Starred) for e in value.elts):
                 return None
             return self._of(value.elts[index], depth)
+        if isinstance(value, nodes.Name):
+            bindings = self.names.earlier_bindings(value)
+            if len(bindings) == 1 and isinstance(bindings[0].parent, nodes.Arguments):
+                return self._parameter_kind(bindings[0], depth, element=index)
         if not isinstance(value, nodes.Call):
             return self._of(value, depth)
         function = self.names.local_function(value) or self._forward_called(value)
@@ -805,6 +837,8 @@ class Dtypes:
         return self._op(call, method, self._of(func.expr, depth))
 
     def _op(self, call: nodes.Call, op: str, input_kind: Optional[str]) -> Optional[str]:
+        if op.endswith("_") and not op.startswith("_"):
+            return input_kind  # in place (``x.mul_(s)``, ``F.relu_(x)``): the tensor's own dtype
         if op in LOW_PRECISION_OPS or op in CUDA_FP32_OPS or op in CPU_FP32_OPS:
             return self._autocast_output(call, op, input_kind)
         if op in PRESERVING:

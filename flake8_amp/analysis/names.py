@@ -529,7 +529,7 @@ class Names:
         if isinstance(expr, nodes.IfExp):
             return self._all_constructions([expr.body, expr.orelse], depth)
         if isinstance(expr, nodes.Call):
-            qualname = self.qualname(expr.func) or ""
+            qualname = self.class_qualname(expr.func) or ""
             if qualname in MODULE_WRAPPERS:
                 wrapped = call_argument(expr, 0, "module")
                 return self.constructions(wrapped, depth) if wrapped is not None else None
@@ -667,6 +667,25 @@ class Names:
                 return None
             items.extend(held)
         return items
+
+    def class_qualname(self, func: nodes.NodeNG, _depth: int = 0) -> Optional[str]:
+        """The dotted name of what ``func`` calls, also through a variable or parameter that
+        holds a class (``norm_module=nn.BatchNorm3d``; ``norm = get_norm(cfg)`` returning
+        ``nn.BatchNorm3d``): every value it may hold must name the same one."""
+        qualname = self.qualname(func)
+        if qualname is not None or not isinstance(func, nodes.Name) or _depth > _MAX_DEPTH:
+            return qualname
+        found = set()
+        for value in self.held_values(func) or [None]:
+            if isinstance(value, nodes.Call) and self.local_function(value) is not None:
+                returns = returned_values(self.local_function(value)) or [None]
+            else:
+                returns = [value]
+            for returned in returns:
+                if not isinstance(returned, (nodes.Name, nodes.Attribute)):
+                    return None
+                found.add(self.class_qualname(returned, _depth + 1))
+        return found.pop() if len(found) == 1 else None
 
     def _added_items(self, container: nodes.Call) -> Optional[List[nodes.NodeNG]]:
         """What the function that builds an empty container (``self.convs = nn.ModuleList()``)

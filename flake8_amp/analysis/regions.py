@@ -328,7 +328,8 @@ class Regions:
             return True
         classdef = self.names.local_class(value) if isinstance(value, nodes.Call) else None
         return classdef is not None and all(
-            _does_nothing(self.names.method_of(classdef, name)) for name in ("__enter__", "__exit__")
+            _does_nothing(self.names.method_of(classdef, method))
+            for method in ("__enter__", "__exit__")
         )
 
     def _call_spec(self, call: nodes.Call, owner: nodes.NodeNG, depth: int) -> Optional[Region]:

@@ -218,7 +218,8 @@ class LossOutsideAutocast(Check):
         return inner is not None and self._loss_expression(inner, depth - 1)
 
     def _builtin_sum(self, func: nodes.NodeNG) -> bool:
-        return isinstance(func, nodes.Name) and func.name == "sum" and not self.context.names.bindings(func)
+        builtin = isinstance(func, nodes.Name) and not self.context.names.bindings(func)
+        return builtin and func.name == "sum"
 
     def _upcasts(self, function: nodes.FunctionDef, parameter: str, depth: int = 3) -> bool:
         """The loss definition casts ``parameter`` to fp32 itself (``logits =

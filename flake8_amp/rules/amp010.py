@@ -14,9 +14,10 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
 - a ``GradScaler(...)`` built enabled (no ``enabled=``, ``enabled=True``, or the
   ``enabled=`` flag that also enables the bf16 autocasts it serves:
   ``GradScaler(enabled=CFG["apex"])`` beside ``autocast(enabled=CFG["apex"],
-  dtype=torch.bfloat16)``; ``enabled=dtype == "float16"`` is fine) when every function scaling a backward with it
-  computes its loss in bf16 regions only: its own, and those of the module's functions
-  it calls for the loss (as for fp16); a function with none known keeps it silent. A
+  dtype=torch.bfloat16)``; ``enabled=dtype == "float16"`` is fine) when every function
+  scaling a backward with it computes its loss in bf16 regions only: its own, and those of
+  the module's functions it calls for the loss (as for fp16); a function with none known
+  keeps it silent. A
   scaler parameter is built where its function's call sites here pass it
   (``ScalerAnalysis.constructions``).
 Each finding sits on the line to change: the ``GradScaler(...)`` construction to delete for
