@@ -390,14 +390,34 @@ class Names:
 
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
-        is not a plain ``name = value`` (parameters, loops, unpacking, imports...)."""
-        values = []
+        is not an assignment of a known value (parameters, loops, imports, unpacking of an
+        unknown call...)."""
+        values: List[nodes.NodeNG] = []
         for binding in self.bindings(name):
-            value = assigned_value(binding)
-            if value is None:
+            bound = self._binding_values(binding)
+            if not bound:
                 return None
-            values.append(value)
+            values.extend(bound)
         return values or None
+
+    def _binding_values(self, binding: nodes.NodeNG) -> List[nodes.NodeNG]:
+        """What ``binding`` is bound to: its assigned value, its element of a literal tuple,
+        or of each tuple a function of this module returns (``amp_ctx, scaler =
+        build_amp(opt.precision)``); [] if unknown."""
+        value = literal_value(binding)
+        if value is not None:
+            return [value]
+        unpacked = unpacked_value(binding)
+        if unpacked is None or not isinstance(unpacked[0], nodes.Call):
+            return []
+        function = self.local_function(unpacked[0])
+        returns = returned_values(function) if function is not None else None
+        index = unpacked[1]
+        if not returns or not all(
+            isinstance(r, (nodes.Tuple, nodes.List)) and index < len(r.elts) for r in returns
+        ):
+            return []
+        return [r.elts[index] for r in returns]
 
     # -- qualified names ---------------------------------------------------------------
 

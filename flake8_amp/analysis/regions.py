@@ -242,10 +242,18 @@ class Regions:
                 return Region(owner, _wrapper_enabled(simple_name(expr), None), None, None, expr)
         return None
 
-    def _values(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+    def _values(self, expr: nodes.NodeNG, hops: int = 3) -> Optional[List[nodes.NodeNG]]:
         """What a variable (``ctx``) or ``self`` attribute (``self.ctx``) is assigned, or what
-        a parameter (``def train(..., amp_ctx)``) receives at its call sites."""
-        return self.names.held_values(expr)
+        a parameter (``def train(..., amp_ctx)``) receives at its call sites; through names
+        (``amp_ctx, scaler = build_amp(p)`` gives what ``build_amp``'s ``amp_ctx`` is)."""
+        values = self.names.held_values(expr)
+        if not values or hops <= 0:
+            return values
+        found: List[nodes.NodeNG] = []
+        for value in values:
+            further = self._values(value, hops - 1) if isinstance(value, nodes.Name) else None
+            found.extend(further or [value])
+        return found
 
     def _returned_values(self, func: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """The values a function defined in this module returns (a context factory such as

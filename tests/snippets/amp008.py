@@ -431,3 +431,30 @@ def timm_main(model, loader, optimizer, loss_fn, use_amp):
         loss_scaler = NativeScalerWithClip()
     timm_epoch(model, loader, optimizer, loss_fn, amp_autocast=amp_autocast, loss_scaler=loss_scaler)
     timm_epoch_outside(model, loader, optimizer, loss_fn, amp_autocast=amp_autocast, loss_scaler=loss_scaler)
+
+
+# ---- a context factory returned with the scaler by a builder --------------------------
+def build_amp(precision):
+    if precision == "amp":
+        amp_ctx = functools.partial(torch.autocast, "cuda", dtype=torch.float16)
+    else:
+        amp_ctx = contextlib.nullcontext
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "amp")
+    return amp_ctx, scaler
+
+
+def scaled_backward_step(loss, scaler, accum):
+    scaler.scale(loss / accum).backward()
+
+
+def t5_epoch(model, loader, optimizer, opt):
+    amp_ctx, scaler = build_amp(opt.precision)
+    for batch in loader:
+        with amp_ctx():
+            loss = model(**batch)["loss"]
+            scaled_backward_step(loss, scaler, opt.accum)  # AMP008
+        with amp_ctx():
+            loss = model(**batch)["loss"]
+        scaled_backward_step(loss, scaler, opt.accum)
+        scaler.step(optimizer)
+        scaler.update()
