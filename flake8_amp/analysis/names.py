@@ -160,6 +160,16 @@ class Names:
         if isinstance(func, nodes.Attribute) and is_self(func.expr):
             owner = enclosing_class(call)
             return self.method_of(owner, func.attrname) if owner is not None else None
+        if isinstance(func, nodes.Attribute) and _is_super_call(func.expr):
+            # ``super().forward(x)``: the method of the next class of the MRO that has it
+            owner = enclosing_class(call)
+            mro = self.class_mro(owner) if owner is not None else None
+            for entry in (mro or ())[1:]:
+                if not isinstance(entry, nodes.ClassDef):
+                    return None
+                if func.attrname in entry.locals:
+                    return self.method_of(entry, func.attrname)
+            return None
         if isinstance(func, nodes.Attribute) and func.attrname not in _RETURNS_SELF:
             # ``model.encode(x)`` for ``model = Net()``: unless ``encode`` is an attribute
             # holding something else (``self.encode = nn.Linear(...)``)
@@ -1191,6 +1201,15 @@ def assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     if isinstance(parent, nodes.Assign) and parent.value is expr and len(parent.targets) == 1:
         return parent.targets[0]
     return None
+
+
+def _is_super_call(expr: nodes.NodeNG) -> bool:
+    """``super()`` (with no arguments, or ``super(Cls, self)``)."""
+    return (
+        isinstance(expr, nodes.Call)
+        and isinstance(expr.func, nodes.Name)
+        and expr.func.name == "super"
+    )
 
 
 def _is_none(value: Optional[nodes.NodeNG]) -> bool:

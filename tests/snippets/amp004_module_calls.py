@@ -688,3 +688,27 @@ def two_pathway_step(clips, optimizer):
         logits = model(clips)
     logits.float().logsumexp(-1).mean().backward()
     optimizer.step()
+
+
+# ---- a subclass's forward through super().forward -------------------------------------
+class ConvEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv1d(64, 512, 3), nn.ReLU())
+
+    def forward(self, x):
+        return self.features(x).transpose(1, 2)
+
+
+class PooledConvEncoder(ConvEncoder):
+    def forward(self, x):
+        x = super().forward(x)
+        return torch.max(x, dim=1)[0] + torch.mean(x, dim=1)  # AMP004
+
+
+def pooled_encoder_step(mels, optimizer):
+    encoder = PooledConvEncoder()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        z = encoder(mels)
+    z.float().pow(2).mean().backward()
+    optimizer.step()
