@@ -250,14 +250,25 @@ class ScalerFlow:
         )
 
     def in_no_scaler_arm(self, node: nodes.NodeNG) -> bool:
-        """``node`` is in one arm of an ``if`` whose other arm uses the scaler."""
+        """``node`` is in one arm of an ``if`` on the amp switch or the scaler (``if scaler is
+        not None``, ``if use_amp``) whose other arm uses the scaler; not an ``if`` on
+        something else (``if cfg.CLIP_GRAD_VAL: clip ... elif ...: unscale_; clip``)."""
         child, parent = node, node.parent
         while parent is not None and parent is not self.scope:
-            if isinstance(parent, nodes.If):
+            if isinstance(parent, nodes.If) and self._tests_amp(parent.test):
                 if any(self._uses_scaler(statement) for statement in other_arm(parent, child)):
                     return True
             child, parent = parent, parent.parent
         return False
+
+    def _tests_amp(self, test: nodes.NodeNG) -> bool:
+        condition = condition_key(test)
+        if condition is not None and condition[0] == AMP_CONDITION:
+            return True
+        return any(
+            expression_key(sub) in self.scalers
+            for sub in test.nodes_of_class((nodes.Name, nodes.Attribute))
+        )
 
     def _uses_scaler(self, statement: nodes.NodeNG) -> bool:
         for call in calls_in_order(statement):

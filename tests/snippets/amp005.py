@@ -925,3 +925,23 @@ def train_unscaling_first(model, loader, optimizer, args):
         scaler.scale(model(batch).mean()).backward()
         scaler.unscale_(optimizer)
         optimizer_step_called_unscaled(model, optimizer, scaler, args.clip)
+
+
+# ---- an if on the clipping mode, not on the scaler: one arm unscales, the other does not --
+def slowfast_epoch(model, loader, optimizer, scaler, cfg):
+    for inputs, labels in loader:
+        with torch.autocast("cuda", enabled=cfg.mixed_precision):
+            loss = model(inputs, labels)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        if cfg.clip_grad_val:
+            torch.nn.utils.clip_grad_value_(model.parameters(), cfg.clip_grad_val)  # AMP005
+        elif cfg.clip_grad_l2norm:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_l2norm)
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def slowfast_main(model, loader, optimizer, cfg):
+    slowfast_epoch(model, loader, optimizer, torch.amp.GradScaler("cuda"), cfg)
