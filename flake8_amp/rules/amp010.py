@@ -278,10 +278,12 @@ def _switched_together(construction: nodes.Call, regions: List[Region]) -> bool:
         return False
     return all(
         isinstance(region.source, nodes.Call)
-        and _text(keyword_value(region.source, "enabled")) == flag.as_string()
+        and _flag_text(keyword_value(region.source, "enabled")) == _flag_text(flag)
         for region in regions
     )
 
 
-def _text(expr: Optional[nodes.NodeNG]) -> Optional[str]:
-    return expr.as_string() if expr is not None else None
+def _flag_text(expr: Optional[nodes.NodeNG]) -> Optional[str]:
+    """A flag as written, ``self.`` aside (``cfg.amp`` in ``__init__`` is ``self.cfg.amp``
+    in the methods once ``self.cfg = cfg``)."""
+    return expr.as_string().removeprefix("self.") if expr is not None else None

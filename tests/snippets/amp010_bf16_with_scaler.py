@@ -282,3 +282,17 @@ def different_flags_train_fn(model, loader, optimizer, scaler, cfg):
 def different_flags_main(model, loader, optimizer, cfg):
     scaler = torch.amp.GradScaler("cuda", enabled=cfg["fp16"])
     different_flags_train_fn(model, loader, optimizer, scaler, cfg)
+
+
+class TabularTrainer:
+    def __init__(self, cfg, model):
+        self.cfg, self.model = cfg, model
+        self.optimizer = torch.optim.AdamW(model.parameters())
+        self.scaler = torch.amp.GradScaler("cpu", enabled=cfg.amp)  # AMP010
+
+    def train_step(self, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.amp):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
