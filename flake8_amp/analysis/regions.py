@@ -255,13 +255,13 @@ class Regions:
             found.extend(further or [value])
         return found
 
-    def _returned_values(self, func: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
-        """The values a function defined in this module returns (a context factory such as
-        ``def get_ctx(): return nullcontext() if cpu else torch.autocast(...)``)."""
-        if not isinstance(func, nodes.Name):
-            return None
-        definitions = [b for b in self.names.bindings(func) if isinstance(b, nodes.FunctionDef)]
-        return returned_values(definitions[0]) if len(definitions) == 1 else None
+    def _returned_values(self, call: nodes.Call) -> Optional[List[nodes.NodeNG]]:
+        """The values the function or method of this module that ``call`` calls returns (a
+        context factory such as ``def get_ctx(): return nullcontext() if cpu else
+        torch.autocast(...)``, or a trainer's ``def autocast(self): return
+        torch.autocast(...)``)."""
+        function = self.names.local_function(call)
+        return returned_values(function) if function is not None else None
 
     def _alternatives(
         self,
@@ -351,7 +351,7 @@ class Regions:
         elif callee is None:
             values = self._values(call.func)
             region = self._alternatives(values, owner, depth, called=call) if values else None
-            returned = self._returned_values(call.func)
+            returned = self._returned_values(call)
             if region is None and returned:
                 region = self._alternatives(returned, owner, depth + 1)
             if region is not None:

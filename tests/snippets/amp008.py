@@ -458,3 +458,23 @@ def t5_epoch(model, loader, optimizer, opt):
         scaled_backward_step(loss, scaler, opt.accum)
         scaler.step(optimizer)
         scaler.update()
+
+
+# ---- a trainer's autocast method ------------------------------------------------------
+class PolicyTrainer:
+    def __init__(self, policy, optimizer, cfg):
+        self.policy, self.optimizer, self.cfg = policy, optimizer, cfg
+        self.scaler = torch.amp.GradScaler("cuda", enabled=cfg["amp"])
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.float16, enabled=self.cfg["amp"])
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()  # AMP008
+
+    def update(self, batch):
+        with self.autocast():
+            loss = self.policy(batch).mean()
+            self.backward(loss)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
