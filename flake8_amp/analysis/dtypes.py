@@ -31,7 +31,9 @@ module declares the field a number (``router_noise: float = 0.0`` in a config da
 In-place ops keep their tensor's dtype (``F.relu_(x)``, ``x.mul_(s)``). A module built by
 calling a class held in a variable or parameter (``norm_module(dim)`` with
 ``norm_module=nn.BatchNorm3d``, or ``get_norm(cfg)`` returning it) is that class. A name
-carried round a loop (``x = stage(x)``) takes the kind its other bindings give.
+carried round a loop (``x = stage(x)``) takes the kind its other bindings give. A dict of
+outputs (a literal, or ``out = {}`` filled by ``out[k] = head(f)``) has the one kind of its
+values, which ``out["depth"]`` reads back.
 
 Calls of modules whose construction is known in the module (:meth:`Names.constructions`:
 ``Net(...)``, ``self.x = Net()``, ``model: Net``, ``DDP(model).module``, ``torch.compile``,
@@ -52,7 +54,7 @@ model from elsewhere stays unknown.
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from astroid import nodes
 
@@ -60,6 +62,7 @@ from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import (
     Callee,
     argument_for,
+    assign_target,
     assigned_value,
     calls_in_order,
     code_frame,
@@ -551,7 +554,42 @@ class Dtypes:
         if isinstance(expr, nodes.IfExp):
             kinds = {self._of(expr.body, depth), self._of(expr.orelse, depth)}
             return kinds.pop() if len(kinds) == 1 else None
+        if isinstance(expr, nodes.Dict):
+            return self._dict_kind(expr, depth)
         return None
+
+    def _dict_kind(self, expr: nodes.Dict, depth: int) -> Optional[str]:
+        """The one kind of the tensors a dict holds (a model's outputs): its literal values
+        and, for one bound to a name, what its function stores into it (``out = {}``, then
+        ``out[t] = head(f)``); what ``d["depth"]`` gives when they agree."""
+        values = [value for _, value in expr.items]
+        target = assign_target(expr)
+        if isinstance(target, nodes.AssignName):
+            for statement in target.frame().nodes_of_class(nodes.Assign):
+                for stored in statement.targets:
+                    if (
+                        isinstance(stored, nodes.Subscript)
+                        and isinstance(stored.value, nodes.Name)
+                        and stored.value.name == target.name
+                    ):
+                        values.append(statement.value)
+        return self._agreeing(values, depth)
+
+    def _agreeing(self, values: Sequence[nodes.NodeNG], depth: int) -> Optional[str]:
+        """The one kind of ``values``; one that is unknown only because it depends on the
+        value being computed (a cycle: ``x = stage(x)`` in a loop, ``out["seg"] =
+        mask(out["seg"])``) takes the kind the others give."""
+        kinds = set()
+        for value in values:
+            cycles, cuts = self._cycles, self._cuts
+            kind = self._of(value, depth)
+            only_cycles = self._cuts - cuts == self._cycles - cycles
+            if kind is None and self._cycles > cycles and only_cycles:
+                continue
+            if kind is None:
+                return None
+            kinds.add(kind)
+        return kinds.pop() if len(kinds) == 1 else None
 
     def _tensors(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
         """The one kind of the tensors in the sequence ``torch.cat``/``torch.stack`` take
@@ -564,24 +602,9 @@ class Dtypes:
         return self._of(expr, depth)
 
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
-        """The one kind of the bindings that reach ``name``. A binding that is unknown only
-        because it depends on itself (``x = stage(x)`` in a loop: the value carried round)
-        takes the kind the others give."""
-        kinds = set()
-        carried = False
-        for binding in self.names.earlier_bindings(name):
-            cycles, cuts = self._cycles, self._cuts
-            kind = self._of(binding, depth)  # cached like an expression: cycles are seen
-            only_cycles = self._cuts - cuts == self._cycles - cycles
-            if kind is None and self._cycles > cycles and only_cycles:
-                carried = True
-                continue
-            if kind is None:
-                return None
-            kinds.add(kind)
-        if carried and not kinds:
-            return None
-        return kinds.pop() if len(kinds) == 1 else None
+        """The one kind of the bindings that reach ``name`` (cached like expressions, so a
+        value carried round a loop is seen as a cycle, see :meth:`_agreeing`)."""
+        return self._agreeing(self.names.earlier_bindings(name), depth)
 
     def _binding_kind(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
         """The kind of what ``binding`` binds: an assigned value, an unpacked element, or for

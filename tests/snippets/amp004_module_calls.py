@@ -712,3 +712,33 @@ def pooled_encoder_step(mels, optimizer):
         z = encoder(mels)
     z.float().pow(2).mean().backward()
     optimizer.step()
+
+
+# ---- a dict of outputs built key by key, read back by key -----------------------------
+class MultiTaskNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleDict({"seg": nn.Conv2d(64, 13, 1), "depth": nn.Conv2d(64, 1, 1)})
+        self.valid_head = nn.Conv2d(64, 1, 1)
+
+    def forward(self, feats):
+        out = {}
+        for task in ("seg", "depth"):
+            out[task] = self.heads[task](feats)
+        out["seg"] = out["seg"].masked_fill(out["seg"].isnan(), 0.0)
+        out["valid"] = self.valid_head(feats)
+        return out
+
+
+def multitask_losses(preds, batch):
+    smoothness = preds["depth"].abs().mean()  # AMP004
+    return F.l1_loss(preds["depth"].float(), batch["depth"]) + 0.1 * smoothness
+
+
+def multitask_step(feats, batch, optimizer):
+    model = MultiTaskNet()
+    with torch.autocast("cuda", dtype=torch.float16):
+        preds = model(feats)
+        loss = multitask_losses(preds, batch)
+    loss.backward()
+    optimizer.step()
