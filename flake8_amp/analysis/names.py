@@ -629,6 +629,16 @@ class Names:
         value = literal_value(binding)
         if value is not None:  # ``criterion, spread = DINOLoss(...), KoLeoLoss()``
             return self.constructions(value, depth)
+        unpacked = unpacked_value(binding)
+        if unpacked is not None and isinstance(unpacked[0], nodes.Name):
+            # ``net_g, net_d = nets`` for ``train(hps, (net_g, net_d), ...)``
+            held = self.held_values(unpacked[0]) or []
+            index = unpacked[1]
+            if held and all(
+                isinstance(v, (nodes.Tuple, nodes.List)) and index < len(v.elts) for v in held
+            ):
+                return self._all_constructions([v.elts[index] for v in held], depth)
+            return None
         position = None
         if isinstance(parent, nodes.Tuple) and len(parent.elts) == 2:
             position, parent = parent.elts.index(binding), parent.parent

@@ -742,3 +742,29 @@ def multitask_step(feats, batch, optimizer):
         loss = multitask_losses(preds, batch)
     loss.backward()
     optimizer.step()
+
+
+# ---- models handed over in a tuple and unpacked -----------------------------------------
+class ReferenceEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv1d(80, 256, 1)
+
+    def forward(self, spec):
+        return self.proj(spec).mean(dim=-1, keepdim=True)  # AMP004
+
+
+def train_and_evaluate(nets, optimizers, loader):
+    net_ref, net_head = nets
+    optim_ref, _ = optimizers
+    for spec, target in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            style = net_ref(spec)
+        net_head(style.float(), target).backward()
+        optim_ref.step()
+
+
+def run_tts(loader, head):
+    net_ref = ReferenceEncoder()
+    optimizers = (torch.optim.AdamW(net_ref.parameters()), torch.optim.AdamW(head.parameters()))
+    train_and_evaluate((net_ref, head), optimizers, loader)
