@@ -243,7 +243,7 @@ def train(cfg: TrainConfig):
             targets = batch["targets"].to(device, non_blocking=True)
             with ctx:
                 logits = model(tokens)["logits"]
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)  # expect: AMP002
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)  # not labelled: the head's + self.bias (an fp32 parameter) promotes the logits to fp32
             tokens_seen += int((targets != -100).sum())
             scaler.scale(loss / cfg.accum_steps).backward()
         grad_norm = th.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)  # expect: AMP005

@@ -568,10 +568,13 @@ class Names:
             ):
                 return [expr]
             # ``model = build_model(args)``, ``self.loss = self._build_loss()``: what a
-            # function or method of this module returns
+            # function or method of this module returns; a parameter it returns is what this
+            # call passes (``init_weights(UnetGenerator())`` returning ``net``)
             function = self.local_function(expr)
             returns = returned_values(function) if function is not None else None
-            return self._all_constructions(returns or [], depth)
+            return self._all_constructions(
+                [self._passed_back(expr, function, value) for value in returns or []], depth
+            )
         if isinstance(expr, nodes.Subscript):
             containers = self.constructions(expr.value, depth)
             return self._elements(containers, depth) if containers else None
@@ -596,6 +599,17 @@ class Names:
             return found or None
         values = self.bound_values(expr) if isinstance(expr, nodes.Attribute) else None
         return self._all_constructions(values or [], depth)
+
+    def _passed_back(
+        self, call: nodes.Call, function: nodes.FunctionDef, returned: nodes.NodeNG
+    ) -> Optional[nodes.NodeNG]:
+        """``returned`` as ``call`` sees it: for a parameter of ``function`` returned as it
+        came, the argument ``call`` passes."""
+        if isinstance(returned, nodes.Name):
+            bindings = self.bindings(returned)
+            if len(bindings) == 1 and bindings[0].parent is function.args:
+                return argument_for(call, function.args, returned.name)
+        return returned
 
     def _all_constructions(
         self, values: Sequence[Optional[nodes.NodeNG]], depth: int

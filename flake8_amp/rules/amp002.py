@@ -47,6 +47,11 @@ LOSS_FUNCTIONS = frozenset(
         "nll_loss",
     }
 )
+#: Distances, symmetric in their two inputs: the prediction may come second.
+SYMMETRIC_LOSSES = frozenset(
+    {"l1_loss", "mse_loss", "smooth_l1_loss", "huber_loss", "L1Loss", "MSELoss", "SmoothL1Loss",
+     "HuberLoss"}
+)
 #: Reductions that make a scalar of a whole tensor (no ``dim``): how a loss ends.
 FULL_REDUCTIONS = frozenset({"mean", "sum"})
 #: Methods returning models whose forward casts outputs to fp32 (accelerate, Lightning Fabric).
@@ -103,7 +108,19 @@ class LossOutsideAutocast(Check):
         upcasting the embeddings and not the scalar temperature)."""
         if definition is None or not _parameters(definition) and definition.args.vararg:
             # defined elsewhere, or ``forward(self, *args)`` (a deep-supervision wrapper)
-            return self._autocast_output_name(call_argument(node, 0, "input"))
+            first = call_argument(node, 0, "input")
+            produced = self._autocast_output_name(first)
+            callee = self.context.names.callee(node)
+            if (
+                produced is None
+                and callee is not None
+                and callee.name in SYMMETRIC_LOSSES
+                and self.context.dtypes.of(first) != FP32
+            ):
+                # ``F.mse_loss(noise, noise_pred)``: a distance may take the prediction second
+                # (not after ``pred.float()`` first: the author upcast the prediction)
+                produced = self._autocast_output_name(call_argument(node, 1, "target"))
+            return produced
         if any(
             isinstance(arg, nodes.Call) and self.context.dtypes.cast_target(arg) == FP32
             for arg in node.args

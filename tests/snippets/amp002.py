@@ -815,3 +815,26 @@ class SegValidator:
         with torch.autocast("cuda", dtype=torch.float16):
             output = self.network(data)
         return self.loss([o.float() for o in output], target)
+
+
+# ---- a distance whose prediction comes second; a model passed through an init helper ------
+def init_weights(net, gain=0.02):
+    net.apply(lambda m: None)
+    return net
+
+
+def diffusion_step(model, audio, t, optimizer):
+    noise = torch.randn_like(audio)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        predicted = model(audio + noise, t)
+    loss = F.l1_loss(noise, predicted.squeeze(1))  # AMP002
+    loss.backward()
+    optimizer.step()
+
+
+def diffusion_step_upcast_first(model, audio, t, optimizer, scheduler):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        target = scheduler.get_velocity(audio, t)
+        predicted = model(audio, t)
+    F.mse_loss(predicted.float(), target).backward()
+    optimizer.step()

@@ -768,3 +768,32 @@ def run_tts(loader, head):
     net_ref = ReferenceEncoder()
     optimizers = (torch.optim.AdamW(net_ref.parameters()), torch.optim.AdamW(head.parameters()))
     train_and_evaluate((net_ref, head), optimizers, loader)
+
+
+# ---- a model built through a helper that returns what it is given -----------------------
+def init_weights(net, gain=0.02):
+    net.apply(lambda m: None)
+    return net
+
+
+class PatchHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(64, 1, 4)
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3))  # AMP004
+
+
+class PatchTail(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def patch_step(images, optimizer):
+    head = init_weights(PatchHead())
+    tail = init_weights(PatchTail())
+    with torch.autocast("cuda", dtype=torch.float16):
+        score = tail(head(images))
+    score.float().sum().backward()
+    optimizer.step()
