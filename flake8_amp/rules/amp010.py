@@ -15,10 +15,10 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
   ``enabled=`` flag that also enables the bf16 autocasts it serves:
   ``GradScaler(enabled=CFG["apex"])`` beside ``autocast(enabled=CFG["apex"],
   dtype=torch.bfloat16)``; ``enabled=dtype == "float16"`` is fine) when every function
-  scaling a backward with it computes its loss in bf16 regions only: its own, and those of
-  the module's functions it calls for the loss (as for fp16); a function with none known
-  keeps it silent. A
-  scaler parameter is built where its function's call sites here pass it
+  scaling a backward with it computes its loss in bf16 regions only: its own (or, for a
+  helper that only scales, its callers'), and those of the module's functions it calls for
+  the loss (as for fp16); a function with none known keeps it silent. A scaler parameter is
+  built where its function's call sites here pass it
   (``ScalerAnalysis.constructions``).
 Each finding sits on the line to change: the ``GradScaler(...)`` construction to delete for
 bf16; for fp16, the autocast expression that names the dtype (``torch.autocast(...)``, or
@@ -37,6 +37,7 @@ from flake8_amp.analysis.names import (
     NESTED_SCOPES,
     bound_value,
     calls_in_order,
+    code_frame,
     conditional_in,
     keyword_value,
     names_in,
@@ -129,7 +130,7 @@ class ScalerDtypeMismatch(Check):
             flow = analysis.flow(scope)
             if not flow.scaled_backwards:
                 continue
-            regions = entries + self._helper_regions(scope)
+            regions = entries + self._helper_regions(scope) or self._callers_regions(scope)
             dtypes = {region.dtype for _, region in regions} or {None}
             for scaler in flow.scalers.values():
                 for construction in scaler.constructions:
@@ -143,6 +144,18 @@ class ScalerDtypeMismatch(Check):
                     construction,
                     detail="GradScaler used with bf16 autocast, which needs no loss scaling",
                 )
+
+    def _callers_regions(self, scope: nodes.NodeNG) -> List[Tuple[nodes.NodeNG, Region]]:
+        """For a function that scales a backward but computes nothing in a region of its
+        own (``def backward(self, loss): self.scaler.scale(loss).backward()``), the regions
+        its callers compute that loss in."""
+        if not isinstance(scope, nodes.FunctionDef):
+            return []
+        found: List[Tuple[nodes.NodeNG, Region]] = []
+        for site in self.context.names.call_sites(scope):
+            caller = code_frame(site)
+            found.extend(list(self._region_entries(caller)) + self._helper_regions(caller))
+        return found
 
     def _region_entries(self, scope: nodes.NodeNG) -> Iterator[Tuple[nodes.NodeNG, Region]]:
         """``(expression that opens it, region)`` for each active region opened in ``scope``."""

@@ -3,6 +3,8 @@
 Reported on the GradScaler construction (the line to delete), when every function that scales
 a backward with it runs bf16 autocast: ``module_scaler`` also serves fp16 code below.
 """
+import functools
+
 import torch
 from torch.amp import GradScaler
 
@@ -296,3 +298,25 @@ class TabularTrainer:
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+
+class DiffWaveLearner:
+    def __init__(self, model, optimizer, params):
+        self.model, self.optimizer = model, optimizer
+        self.autocast = functools.partial(
+            torch.autocast, device_type="cuda", dtype=torch.bfloat16, enabled=params.use_amp
+        )
+        self.scaler = torch.amp.GradScaler("cuda", enabled=params.use_amp)  # AMP010
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def train_step(self, audio, t):
+        with self.autocast():
+            loss = self.model(audio, t).float().abs().mean()
+        self.backward(loss)
+        self.step()
