@@ -240,17 +240,17 @@ class LossOutsideAutocast(Check):
 
     def _upcasts(self, function: nodes.FunctionDef, parameter: str, depth: int = 3) -> bool:
         """The loss definition casts ``parameter`` to fp32 itself (``logits =
-        logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``), or hands it to a
-        function of the module that does (``stft_mag(pred)`` computing on ``x.float()``)."""
+        logits.float()``, ``F.kl_div(F.log_softmax(s.float() / T), ...)``), or hands it (or
+        a slice of it) to a function of the module that does (``stft_mag(pred)`` computing on
+        ``x.float()``, ``si_snr(est[:, i], ref[:, j])``)."""
         for call in function.nodes_of_class(nodes.Call):
             receiver = method_call(call)[1]
-            if isinstance(receiver, nodes.Name) and receiver.name == parameter:
-                if self.context.dtypes.cast_target(call) == FP32:
-                    return True
+            if _names(receiver, parameter) and self.context.dtypes.cast_target(call) == FP32:
+                return True
             inner = self.context.names.local_function(call) if depth > 0 else None
             if inner is not None and inner is not function:
                 for inner_parameter, arg in zip(_parameters(inner), call.args):
-                    if isinstance(arg, nodes.Name) and arg.name == parameter:
+                    if _names(arg, parameter):
                         if self._upcasts(inner, inner_parameter.name, depth - 1):
                             return True
         return False
@@ -365,6 +365,16 @@ class LossOutsideAutocast(Check):
             if isinstance(value, nodes.Call) and method_call(value)[0] in FP32_OUTPUT_WRAPPERS:
                 return True
         return False
+
+
+def _names(expr: Optional[nodes.NodeNG], name: str) -> bool:
+    """``expr`` is the variable ``name``, or a slice of it (``est[:, i]``; not an entry of a
+    dict, ``targets["labels"]``, which is another tensor)."""
+    while isinstance(expr, nodes.Subscript) and not (
+        isinstance(expr.slice, nodes.Const) and isinstance(expr.slice.value, str)
+    ):
+        expr = expr.value
+    return isinstance(expr, nodes.Name) and expr.name == name
 
 
 def _parameters(function: nodes.FunctionDef) -> List[nodes.AssignName]:
