@@ -188,14 +188,28 @@ class Regions:
         owner = function.parent
         if function.name == "forward" and isinstance(owner, nodes.ClassDef):
             # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module
-            # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``).
+            # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``), and so
+            # does calling an ``nn.Sequential`` that holds one (``self.tcn(x)``).
             sites.extend(
                 call
                 for calls in self.names.calls_by_name.values()
                 for call in calls
                 if self.names.local_class(call.func) is owner
+                or self._sequence_holds(call.func, owner)
             )
         return sites
+
+    def _sequence_holds(self, func: nodes.NodeNG, owner: nodes.ClassDef) -> bool:
+        """``func`` is an ``nn.Sequential`` one of whose elements is an ``owner``."""
+        names = self.names
+        for construction in names.constructions(func) or ():
+            if names.qualname(getattr(construction, "func", None)) != "torch.nn.Sequential":
+                continue
+            for item in names.container_items(construction) or ():
+                built = names.constructions(item) or ()
+                if any(names.construction_class(c) is owner for c in built):
+                    return True
+        return False
 
     # -- what opens a region -----------------------------------------------------------
 
