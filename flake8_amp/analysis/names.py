@@ -598,7 +598,11 @@ class Names:
                 found.extend(built)
             return found or None
         values = self.bound_values(expr) if isinstance(expr, nodes.Attribute) else None
-        return self._all_constructions(values or [], depth)
+        # in ``self.model = wrap(self.model) if sync else self.model`` the right-hand
+        # ``self.model`` is what was assigned before
+        statement = expr.statement()
+        values = [v for v in values or [] if v is None or v.statement() is not statement]
+        return self._all_constructions(values, depth)
 
     def _passed_back(
         self, call: nodes.Call, function: nodes.FunctionDef, returned: nodes.NodeNG

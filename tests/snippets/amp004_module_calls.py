@@ -831,3 +831,30 @@ def separation_step(mix, optimizer):
         est = model(mix)
     est.float().abs().mean().backward()
     optimizer.step()
+
+
+# ---- a model re-assigned through a wrapper of itself; a statistic under no_grad ------------
+class SiameseHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.predictor = nn.Sequential(nn.Linear(256, 64), nn.BatchNorm1d(64), nn.Linear(64, 256))
+
+    def forward(self, z1, z2):
+        return {"p1": self.predictor(z1), "p2": self.predictor(z2)}
+
+
+class SiameseTrainer:
+    def __init__(self, sync_bn):
+        self.model = SiameseHeads()
+        self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model) if sync_bn else self.model
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+    def training_step(self, z1, z2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = self.model(z1, z2)
+            loss = -(F.normalize(out["p1"].float(), dim=1) * z2).sum(1).mean()
+        loss.backward()
+        self.optimizer.step()
+        with torch.no_grad():
+            collapse = out["p1"].std(dim=0).mean()  # AMP004
+        return loss.detach(), collapse
