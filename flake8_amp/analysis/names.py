@@ -64,8 +64,8 @@ MODULE_WRAPPERS = frozenset(
 WRAPPED_ATTRIBUTES = frozenset({"module", "_orig_mod"})
 #: Containers of modules: their elements are reached by iteration and indexing.
 MODULE_CONTAINERS = frozenset({"torch.nn.ModuleList", "torch.nn.Sequential", "torch.nn.ModuleDict"})
-#: List methods that add elements (the list's other uses must only read it).
-_LIST_ADDERS = frozenset({"append", "extend", "insert"})
+#: Methods that add elements to a list or a module container.
+_ADDERS = frozenset({"append", "extend", "insert", "add_module"})
 
 
 def canonical(qualname: str) -> str:
@@ -758,16 +758,24 @@ class Names:
             func = call.func
             if not isinstance(func, nodes.Attribute) or func.expr.as_string() != key:
                 continue
-            if func.attrname == "append" and len(call.args) == 1:
-                items.append(call.args[0])
-            elif func.attrname in ("insert", "add_module") and len(call.args) == 2:
-                items.append(call.args[1])
-            elif func.attrname == "extend" and len(call.args) == 1:
-                held = self.list_items(call.args[0])
-                if held is None:
+            if func.attrname in _ADDERS:
+                added = self._added_by(call)
+                if added is None:
                     return None
-                items.extend(held)
+                items.extend(added)
         return items or None
+
+    def _added_by(self, call: nodes.Call) -> Optional[List[nodes.NodeNG]]:
+        """What ``x.append(m)``, ``x.insert(i, m)``, ``x.add_module(name, m)`` or
+        ``x.extend(ms)`` adds to ``x``; None if unknown."""
+        method, args = call.func.attrname, call.args
+        if method == "append" and len(args) == 1:
+            return [args[0]]
+        if method in ("insert", "add_module") and len(args) == 2:
+            return [args[1]]
+        if method == "extend" and len(args) == 1:
+            return self.list_items(args[0])
+        return None
 
     def list_items(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """What a list holds: a literal's elements, a comprehension's element, or for a
@@ -813,13 +821,9 @@ class Names:
             call = parent.parent
             if not isinstance(call, nodes.Call) or call.func is not parent:
                 return None
-            if parent.attrname == "append" and len(call.args) == 1:
-                return [call.args[0]]
-            if parent.attrname == "insert" and len(call.args) == 2:
-                return [call.args[1]]
-            if parent.attrname == "extend" and len(call.args) == 1:
-                return self.list_items(call.args[0]) if call.args[0] is not use else None
-            return None
+            if parent.attrname == "add_module" or any(arg is use for arg in call.args):
+                return None  # not a list's method; ``x.extend(x)``
+            return self._added_by(call)
         if isinstance(parent, nodes.Starred):
             parent = parent.parent
         if isinstance(parent, nodes.Call) and use is not parent.func:
@@ -1202,15 +1206,9 @@ def bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
 def _list_binding_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     """The list a binding puts in a name (``layers = []``, ``layers, dim = [], 2048``) or
     adds to it (``layers += [...]``)."""
-    value = assigned_value(binding)
-    if value is not None:
-        return value
     if isinstance(binding.parent, nodes.AugAssign):
         return binding.parent.value if binding.parent.op == "+=" else None
-    unpacked = unpacked_value(binding)
-    if unpacked is not None and isinstance(unpacked[0], (nodes.Tuple, nodes.List)):
-        return unpacked[0].elts[unpacked[1]]
-    return None
+    return literal_value(binding)
 
 
 def _binds_self(function: nodes.NodeNG) -> bool:
