@@ -518,12 +518,14 @@ class Dtypes:
     def _element_output(
         self, item: nodes.NodeNG, call: nodes.Call, depth: int, input_kind: Optional[str]
     ) -> Optional[str]:
+        built = self.names.constructions(item)
+        if not built:
+            return None
         kinds = {
             self._module_output(element, call, None, depth + 1, input_kind, False)
-            for element in self.names.constructions(item) or [None]
-            if element is not None
+            for element in built
         }
-        return kinds.pop() if len(kinds) == 1 and self.names.constructions(item) else None
+        return kinds.pop() if len(kinds) == 1 else None
 
     def _compute(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
         if isinstance(expr, nodes.AssignName):

@@ -6,13 +6,13 @@ from typing import Optional
 
 from astroid import nodes
 
+from flake8_amp.analysis.context import named_for_loss
 from flake8_amp.analysis.dtypes import (
     PRESERVING,
     SAME_DTYPE_ATTRIBUTES,
     autocast_fp32_op,
     is_low,
 )
-from flake8_amp.analysis.context import named_for_loss
 from flake8_amp.analysis.names import code_frame, method_call
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
