@@ -85,6 +85,7 @@ class Regions:
         self.names = context.names
         self._opened: Dict[nodes.NodeNG, Optional[Region]] = {}
         self._inherited: Dict[Tuple[nodes.NodeNG, bool], Optional[Region]] = {}
+        self._sites: Dict[nodes.FunctionDef, List[nodes.Call]] = {}
         extra = context.options.autocast_functions
         self._extra_qualnames = frozenset(name for name in extra if "." in name)
         self._extra_names = frozenset(last_part(name) for name in extra)
@@ -184,6 +185,14 @@ class Regions:
         return inherited
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
+        """The calls that run ``function`` (:meth:`Names.call_sites`; for a module's
+        ``forward``, also the calls of its objects). Cached: the dtype flow asks it for
+        every parameter it follows."""
+        if function not in self._sites:
+            self._sites[function] = self._compute_call_sites(function)
+        return self._sites[function]
+
+    def _compute_call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         sites = self.names.call_sites(function)
         owner = function.parent
         if function.name == "forward" and isinstance(owner, nodes.ClassDef):
