@@ -61,6 +61,7 @@ from astroid import nodes
 from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import (
     Callee,
+    CutCache,
     argument_for,
     assign_target,
     assigned_value,
@@ -189,8 +190,6 @@ PRESERVING_MODULES: FrozenSet[str] = frozenset(
 )
 #: Tensor attributes of their tensor's dtype (views, the data, the gradient).
 SAME_DTYPE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "grad"})
-#: Cache markers of :meth:`Dtypes._of`.
-_MISSING, _IN_PROGRESS = object(), object()
 #: How many module forwards (and functions) deep a call's output is followed.
 _MAX_FRAMES = 4
 #: Methods converting to the dtype named by (or of) their argument.
@@ -230,13 +229,8 @@ class Dtypes:
         self.context = context
         self.names = context.names
         self.regions = context.regions
-        self._cache: Dict[Tuple[nodes.NodeNG, tuple], object] = {}
-        #: How many times a query was cut short (a cycle, the depth limit), and how many
-        #: queries are being computed (the outermost one's answer is cached even if cut).
-        self._cuts = 0
-        self._computing = 0
-        #: Those of the cuts that were cycles.
-        self._cycles = 0
+        #: Kinds by (expression, frames followed).
+        self._cache = CutCache()
         #: The functions being followed from a call (a module's ``forward``, a function of
         #: this module), each with the region its call runs in (autocast is dynamic, so
         #: their code runs in their caller's region unless it opens its own) and the call,
@@ -349,39 +343,17 @@ class Dtypes:
         return frozenset(alternatives)
 
     def _of(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
-        """:meth:`of` at ``depth``. A result that a cut (a cycle, or the depth limit) made
-        unknown is cached only for the outermost query, so no answer depends on the order of
-        queries."""
+        """:meth:`of` at ``depth``: a cycle or the depth limit makes an answer unknown, kept
+        only for the outermost query (:class:`CutCache`)."""
         if self._too_deep(depth):
             return None
-        key = (expr, self._frames)
-        cached = self._cache.get(key, _MISSING)
-        if cached is _IN_PROGRESS:  # a cycle through re-assignments or calls
-            self._cuts += 1
-            self._cycles += 1
-            return None
-        if cached is not _MISSING:
-            return cached
-        self._cache[key] = _IN_PROGRESS
-        cuts, outermost = self._cuts, self._computing == 0
-        self._computing += 1
-        try:
-            kind = self._compute(expr, depth + 1)
-        except BaseException:
-            del self._cache[key]
-            raise
-        finally:
-            self._computing -= 1
-        if outermost or self._cuts == cuts:
-            self._cache[key] = kind
-        else:
-            del self._cache[key]
-        return kind
+        # cycles through re-assignments or calls, cut as in :class:`CutCache`
+        return self._cache.answer((expr, self._frames), lambda: self._compute(expr, depth + 1))
 
     def _too_deep(self, depth: int) -> bool:
         """``depth`` is past the limit: the query is cut there (and counted as cut)."""
         if depth > _MAX_DEPTH:
-            self._cuts += 1
+            self._cache.cut()
             return True
         return False
 
@@ -582,11 +554,12 @@ class Dtypes:
         value being computed (a cycle: ``x = stage(x)`` in a loop, ``out["seg"] =
         mask(out["seg"])``) takes the kind the others give."""
         kinds = set()
+        cache = self._cache
         for value in values:
-            cycles, cuts = self._cycles, self._cuts
+            cycles, cuts = cache.cycles, cache.cuts
             kind = self._of(value, depth)
-            only_cycles = self._cuts - cuts == self._cycles - cycles
-            if kind is None and self._cycles > cycles and only_cycles:
+            only_cycles = cache.cuts - cuts == cache.cycles - cycles
+            if kind is None and cache.cycles > cycles and only_cycles:
                 continue
             if kind is None:
                 return None

@@ -13,7 +13,19 @@ from __future__ import annotations
 import builtins
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import (
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 from astroid import nodes
 from astroid.manager import AstroidManager
@@ -43,6 +55,9 @@ REGISTER_METHODS = {"register_buffer": "tensor", "register_parameter": "param"}
 
 #: How many alias hops are followed before giving up (``a = b``, ``b = c``...).
 _MAX_DEPTH = 8
+T = TypeVar("T")
+#: Markers of :class:`CutCache`.
+_MISSING, _IN_PROGRESS = object(), object()
 
 #: Calls returning a module that runs the module they are given (its ``forward``): the
 #: wrapped one is reached again as ``.module`` (DDP, DataParallel) or ``._orig_mod``; the
@@ -118,6 +133,54 @@ class Callee:
         return value
 
 
+class CutCache:
+    """Answers of a recursive query (what a name holds, what dtype a value has) that may
+    reach itself again or go too deep. An answer cut short that way is unknown from where
+    that query stood, so it is kept only when it is the outermost query's own: the partial
+    answers of inner queries are computed again when asked later, instead of being handed
+    on to whichever rule asks next."""
+
+    def __init__(self):
+        self._answers: Dict[object, object] = {}
+        #: Queries cut short so far (cycles and the depth limit), and those that were cycles.
+        self.cuts = 0
+        self.cycles = 0
+        self._computing = 0
+
+    def cut(self) -> None:
+        """A query was cut short at the depth limit."""
+        self.cuts += 1
+
+    def answer(self, key: object, compute: Callable[[], T], too_deep: bool = False):
+        """The cached answer for ``key``, else ``compute()`` (None for a cycle, or when
+        ``too_deep`` and not cached)."""
+        cached = self._answers.get(key, _MISSING)
+        if cached is _IN_PROGRESS:
+            self.cuts += 1
+            self.cycles += 1
+            return None
+        if cached is not _MISSING:
+            return cached
+        if too_deep:
+            self.cut()
+            return None
+        self._answers[key] = _IN_PROGRESS
+        cuts, outermost = self.cuts, self._computing == 0
+        self._computing += 1
+        try:
+            value = compute()
+        except BaseException:
+            del self._answers[key]
+            raise
+        finally:
+            self._computing -= 1
+        if outermost or self.cuts == cuts:
+            self._answers[key] = value
+        else:
+            del self._answers[key]
+        return value
+
+
 class Names:
     """Name resolution for one module; see the module docstring."""
 
@@ -129,7 +192,7 @@ class Names:
         self._callees: Dict[nodes.Call, Optional[Callee]] = {}
         self._mros: Dict[nodes.ClassDef, Optional[Tuple[MroEntry, ...]]] = {}
         self._sharing_self: Dict[nodes.FunctionDef, Optional[List[nodes.FunctionDef]]] = {}
-        self._constructions: Dict[nodes.NodeNG, Optional[List[nodes.NodeNG]]] = {}
+        self._constructions = CutCache()
 
     # -- calls -------------------------------------------------------------------------
 
@@ -538,13 +601,12 @@ class Names:
         and the elements of ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` reached
         by iteration (``for layer in self.layers``, ``enumerate(...)``) or indexing. None
         when some possibility is unknown."""
-        if expr in self._constructions:
-            return self._constructions[expr]
-        if _depth > _MAX_DEPTH:
-            return None
-        self._constructions[expr] = None  # a cycle (``self.m = self.m.cuda()``) is unknown
-        built = self._constructions[expr] = self._compute_constructions(expr, _depth + 1)
-        return built
+        # a cycle (``self.m = self.m.cuda()``) or the depth limit makes an answer unknown
+        return self._constructions.answer(
+            expr,
+            lambda: self._compute_constructions(expr, _depth + 1),
+            too_deep=_depth > _MAX_DEPTH,
+        )
 
     def _compute_constructions(
         self, expr: nodes.NodeNG, depth: int
