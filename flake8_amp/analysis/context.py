@@ -464,9 +464,7 @@ class GradContext:
     def _passing(self, call: nodes.Call) -> Optional[str]:
         """The name of a call that passes the parameters it is given on (``list``,
         ``filter``, ``itertools.chain``, ``dict``); None for other calls."""
-        func = call.func
-        builtin = isinstance(func, nodes.Name) and not self.names.bindings(func)
-        name = func.name if builtin else self.names.qualname(func)
+        name = self.names.builtin_name(call.func) or self.names.qualname(call.func)
         return name if name in PARAMETER_PASSING else None
 
     def _wrapped_for_master_weights(self, call: nodes.Call) -> bool:

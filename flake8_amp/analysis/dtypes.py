@@ -736,8 +736,9 @@ class Dtypes:
         if isinstance(expr, nodes.BinOp):
             return self.is_number(expr.left, _depth - 1) and self.is_number(expr.right, _depth - 1)
         if isinstance(expr, nodes.Call):
-            if isinstance(expr.func, nodes.Name) and not self.names.bindings(expr.func):
-                return expr.func.name in NUMBER_BUILTINS
+            builtin = self.names.builtin_name(expr.func)
+            if builtin is not None:
+                return builtin in NUMBER_BUILTINS
             qualname = self.names.qualname(expr.func) or ""
             return qualname.startswith("math.") or method_call(expr)[0] in NUMBER_METHODS
         return False

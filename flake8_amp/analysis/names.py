@@ -510,6 +510,13 @@ class Names:
         results = self.possible_qualnames(expr, _depth)
         return results.pop() if len(results) == 1 else None
 
+    def builtin_name(self, expr: nodes.NodeNG) -> Optional[str]:
+        """The name of the Python builtin ``expr`` names (``len``, ``sum``, ``enumerate``),
+        if it is one this module does not rebind."""
+        if isinstance(expr, nodes.Name) and not self.bindings(expr):
+            return expr.name
+        return None
+
     def possible_qualnames(self, name: nodes.Name, _depth: int = 0) -> Set[Optional[str]]:
         """The dotted name each binding of ``name`` gives it (None where unknown): one for
         most names, several for a vendor dispatch (``if npu: from torch.npu.amp import
@@ -729,9 +736,7 @@ class Names:
             # ``for i, layer in enumerate(self.layers)``
             if not (
                 isinstance(iterable, nodes.Call)
-                and isinstance(iterable.func, nodes.Name)
-                and iterable.func.name == "enumerate"
-                and not self.bindings(iterable.func)
+                and self.builtin_name(iterable.func) == "enumerate"
                 and iterable.args
                 and position == 1
             ):
@@ -890,8 +895,7 @@ class Names:
             parent = parent.parent
         if isinstance(parent, nodes.Call) and use is not parent.func:
             qualname = self.qualname(parent.func) or ""
-            builtin = isinstance(parent.func, nodes.Name) and not self.bindings(parent.func)
-            if qualname in MODULE_CONTAINERS or (builtin and parent.func.name == "len"):
+            if qualname in MODULE_CONTAINERS or self.builtin_name(parent.func) == "len":
                 return []
         return None
 

@@ -218,7 +218,7 @@ class LossOutsideAutocast(Check):
         if helper is not None:
             # ``losses = self.single(outputs, targets)``, ``masked_mean(x, m)``, a loss module
             return any(self._loss_expression(v, depth - 1) for v in returned_values(helper) or [])
-        if self._builtin_sum(expr.func) and len(expr.args) == 1:
+        if self.context.names.builtin_name(expr.func) == "sum" and len(expr.args) == 1:
             return self._loss_expression(expr.args[0], depth - 1)  # ``sum(w * l for ...)``
         callee = self.context.names.callee(expr)
         if callee is not None and (
@@ -233,10 +233,6 @@ class LossOutsideAutocast(Check):
             return not expr.keywords  # ``torch.mean(x)``
         inner = receiver if callee is None else (expr.args[0] if expr.args else None)
         return inner is not None and self._loss_expression(inner, depth - 1)
-
-    def _builtin_sum(self, func: nodes.NodeNG) -> bool:
-        builtin = isinstance(func, nodes.Name) and not self.context.names.bindings(func)
-        return builtin and func.name == "sum"
 
     def _upcasts(self, function: nodes.FunctionDef, parameter: str, depth: int = 3) -> bool:
         """The loss definition casts ``parameter`` to fp32 itself (``logits =

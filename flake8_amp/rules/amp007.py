@@ -150,7 +150,7 @@ class Fp16OverflowLiteral(Check):
             if method_call(value)[0] in TO_PYTHON_METHODS:
                 return True
             if isinstance(func, nodes.Name) and func.name in BUILTIN_CONTAINERS:
-                return not names.bindings(func)
+                return names.builtin_name(func) is not None
             qualname = names.callee_qualname(value) or ""
             if qualname in CONTAINER_FACTORIES or qualname.startswith("numpy."):
                 return True
