@@ -634,30 +634,27 @@ class ScalerAnalysis:
         ``scaler = GradScaler("cuda")``)."""
         found = []
         for value in self.names.held_values(expr) or ():
-            if isinstance(value, nodes.Call):
-                if self.names.callee_qualname(value) in GRAD_SCALERS:
-                    found.append(value)
-                    continue
-                builder = self.names.local_function(value)
-                if builder is not None and _hops < _MAX_PASSING_HOPS:
-                    for returned in returned_values(builder) or ():
-                        found.extend(self._returned_constructions(returned, _hops + 1))
-            elif isinstance(value, nodes.Name) and _hops < _MAX_PASSING_HOPS:
-                found.extend(self.constructions(value, _hops + 1))
+            found.extend(self._value_constructions(value, _hops))
         return found
 
-    def _returned_constructions(self, returned: nodes.NodeNG, hops: int) -> List[nodes.Call]:
-        if isinstance(returned, nodes.Call):
-            if self.names.callee_qualname(returned) in GRAD_SCALERS:
-                return [returned]
-            return []
-        if isinstance(returned, nodes.IfExp):
-            return [
-                call
-                for arm in (returned.body, returned.orelse)
-                for call in self._returned_constructions(arm, hops)
-            ]
-        return self.constructions(returned, hops) if isinstance(returned, nodes.Name) else []
+    def _value_constructions(self, value: nodes.NodeNG, hops: int) -> List[nodes.Call]:
+        """The ``GradScaler(...)`` calls a value held or returned may be: the call itself, what a
+        function of this module it calls returns, either arm of a conditional expression
+        (``GradScaler("cuda") if args.amp else None``) and what a name holds."""
+        if isinstance(value, nodes.Call):
+            if self.names.callee_qualname(value) in GRAD_SCALERS:
+                return [value]
+            builder = self.names.local_function(value)
+            if builder is None or hops >= _MAX_PASSING_HOPS:
+                return []
+            return [call for returned in returned_values(builder) or ()
+                    for call in self._value_constructions(returned, hops + 1)]
+        if isinstance(value, nodes.IfExp):
+            return [call for arm in (value.body, value.orelse)
+                    for call in self._value_constructions(arm, hops)]
+        if isinstance(value, nodes.Name) and hops < _MAX_PASSING_HOPS:
+            return self.constructions(value, hops + 1)
+        return []
 
     def entry_phase(self, base: ScalerFlow) -> Optional[str]:
         """SCALED when ``base``'s scope is a function handed its scaler as a parameter and
