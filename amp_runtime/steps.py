@@ -4,11 +4,12 @@
   ``monitors/scaler.py``). Skipped steps count: the update runs whether or not the optimizer
   stepped. An optimizer stepped directly (not by ``scaler.step``, AMP006) ends the step itself, and
   an update right after it (no backward in between) belongs to that step.
-* Otherwise at ``optimizer.step()`` (global optimizer step post-hook). With several optimizers the
-  step ends after the last one of the cycle, learned in the first iteration: an optimizer stepping
-  for the first time right after another one (no backward in between) joins that step; one stepping
-  for the first time after its own backward (e.g. a GAN's generator) makes the first iteration count
-  as two steps. An optimizer stepping again before the cycle completed also ends the step.
+* Otherwise at ``optimizer.step()`` (global optimizer step post-hook).
+* Several optimizers, or several scalers (a GAN with one GradScaler per network), act in a cycle:
+  the step ends after the last one of the cycle, learned in the first iteration. One acting for the
+  first time right after another one (no backward in between) joins that step; one acting for the
+  first time after its own backward (e.g. a GAN's generator) makes the first iteration count as two
+  steps. One acting again before the cycle completed also ends the step.
 * ``guard.step()`` for loops with neither; once it is called, automatic detection stays off.
 
 An optimizer subclass whose ``step()`` calls ``super().step()`` runs the global step hooks twice,
@@ -32,6 +33,38 @@ from amp_runtime.monitors import Monitor, OpHandler
 from amp_runtime.monitors.scaler import BACKWARD_FUNCTIONS, watch_of
 
 
+class _Cycle:
+    """Optimizers (or scalers) that each act once per iteration: the step ends after the last
+    one, learned in the first iteration (see the module doc)."""
+
+    def __init__(self, detector: "StepDetector", kind: str):
+        self.detector = detector
+        self.kind = kind
+        self.last: Optional[weakref.ref] = None
+        self.known: weakref.WeakSet = weakref.WeakSet()
+        self.acted: set = set()
+        self.joined = False
+
+    def starts(self, member) -> None:
+        detector = self.detector
+        if id(member) in self.acted:  # a new iteration began before the cycle completed
+            detector._end_step(self.kind)
+        if member not in self.known:
+            self.known.add(member)
+            self.last = weakref.ref(member)
+            self.joined = detector._ended_by == self.kind and not detector._backward_since_step
+
+    def ends(self, member) -> None:
+        self.acted.add(id(member))
+        if self.last is None or self.last() is not member:
+            return
+        if self.joined:  # belongs to the step just ended; the cycle ends here from now
+            self.joined = False
+            self.acted.clear()
+        else:
+            self.detector._end_step(self.kind)
+
+
 class StepDetector(Monitor):
     """Ends the guard's steps at scaler updates or optimizer steps."""
 
@@ -40,12 +73,11 @@ class StepDetector(Monitor):
 
     def __init__(self):
         super().__init__()
-        self._last_in_cycle: Optional[weakref.ref] = None
-        self._known: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self._stepped: set = set()
+        self._optimizers = _Cycle(self, "optimizer")
+        self._scalers = _Cycle(self, "scaler")
         self._backward_since_step = False
-        self._ended_by_optimizer = False
-        self._joined_ended_step = False
+        #: What ended the last step: "optimizer", "scaler" or None.
+        self._ended_by: Optional[str] = None
         #: Optimizer steps in progress: the hooks of a step() nested in another are not a step.
         self._stepping = 0
 
@@ -64,18 +96,23 @@ class StepDetector(Monitor):
         own_thread = threading.get_ident() == guard._thread
         return own_thread and not guard.manual_steps and not guard.suspended
 
-    def _end_step(self, by_optimizer: bool = False) -> None:
-        self._stepped.clear()
+    def _end_step(self, ended_by: Optional[str] = None) -> None:
+        self._optimizers.acted.clear()
+        self._scalers.acted.clear()
         self._backward_since_step = False
-        self._ended_by_optimizer = by_optimizer
+        self._ended_by = ended_by
         self.guard._end_step()
 
     def _backward_starts(self, func, args, kwargs):
         self._backward_since_step = True
 
     def _scaler_updated(self, scaler):
-        if self._automatic() and (self._backward_since_step or not self._ended_by_optimizer):
-            self._end_step()
+        if not self._automatic():
+            return
+        if self._ended_by == "optimizer" and not self._backward_since_step:
+            return  # the update of the optimizer step that just ended the step (AMP006)
+        self._scalers.starts(scaler)
+        self._scalers.ends(scaler)
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
         self._stepping += 1
@@ -83,25 +120,13 @@ class StepDetector(Monitor):
             return
         if not self._automatic() or self._watch.scaler_stepping():  # scaler.update() ends that step
             return
-        if id(optimizer) in self._stepped:  # a new iteration began before the cycle completed
-            self._end_step(by_optimizer=True)
-        if optimizer not in self._known:
-            self._known.add(optimizer)
-            self._last_in_cycle = weakref.ref(optimizer)
-            self._joined_ended_step = self._ended_by_optimizer and not self._backward_since_step
+        self._optimizers.starts(optimizer)
 
     def _optimizer_step_ends(self, optimizer, args, kwargs):
         self._stepping -= 1
         if self._stepping > 0 or not self._automatic() or self._watch.scaler_stepping():
             return
-        self._stepped.add(id(optimizer))
-        if self._last_in_cycle is None or self._last_in_cycle() is not optimizer:
-            return
-        if self._joined_ended_step:  # belongs to the step just ended; the cycle ends here from now
-            self._joined_ended_step = False
-            self._stepped.clear()
-        else:
-            self._end_step(by_optimizer=True)
+        self._optimizers.ends(optimizer)
 
 
 def monitors(guard):

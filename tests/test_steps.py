@@ -85,6 +85,53 @@ def test_alternating_optimizers_with_their_own_backward_settle_after_the_first_i
     assert indices == [2, 3, 4, 5]
 
 
+def test_a_gan_with_a_scaler_per_network_counts_one_step_per_iteration():
+    critic, generator = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
+    scaler_c = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler_g = torch.amp.GradScaler("cpu", init_scale=256.0)
+    indices = []
+    with amp_runtime.guard(policy="record") as g:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss_c = critic(generator(batch()).detach()).float().mean()
+            scaler_c.scale(loss_c).backward()
+            scaler_c.step(opt_c)
+            scaler_c.update()
+            opt_c.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss_g = -critic(generator(batch())).float().mean()
+            scaler_g.scale(loss_g).backward()
+            scaler_g.step(opt_g)
+            scaler_g.update()
+            opt_g.zero_grad()
+            indices.append(g.step_index)
+    # as with optimizers: the first iteration counts each scaler once, then one step per iteration
+    assert indices == [2, 3, 4, 5]
+
+
+def test_scalers_updated_back_to_back_count_one_step():
+    models = [torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in models]
+    indices = []
+    with amp_runtime.guard(policy="record") as g:
+        for _ in range(3):
+            for model, scaler in zip(models, scalers):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(batch()).float().mean()
+                scaler.scale(loss).backward()
+            for opt, scaler in zip(opts, scalers):
+                scaler.step(opt)
+            for scaler in scalers:
+                scaler.update()
+            for opt in opts:
+                opt.zero_grad()
+            indices.append(g.step_index)
+    assert indices == [1, 2, 3]
+
+
 def test_manual_steps_switch_automatic_detection_off():
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
