@@ -20,13 +20,14 @@ merely named ``ctx`` is not autocast.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from astroid import nodes
 
 from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import (
     Callee,
+    CutCache,
     keyword_value,
     last_part,
     returned_values,
@@ -84,7 +85,8 @@ class Regions:
         self.context = context
         self.names = context.names
         self._opened: Dict[nodes.NodeNG, Optional[Region]] = {}
-        self._inherited: Dict[Tuple[nodes.NodeNG, bool], Optional[Region]] = {}
+        #: The region every caller of a function runs it in; a call cycle reads as no region.
+        self._inherited = CutCache()
         self._sites: Dict[nodes.FunctionDef, List[nodes.Call]] = {}
         extra = context.options.autocast_functions
         self._extra_qualnames = frozenset(name for name in extra if "." in name)
@@ -98,7 +100,7 @@ class Regions:
         ``with_grad``: a region a function inherits from its callers counts only through
         call sites where gradients are on (a backward reached from ``no_grad`` code only
         cannot run; a BCE call there still raises, so this is the caller's choice)."""
-        return self._region_at(node, set(), with_grad)
+        return self._region_at(node, with_grad)
 
     def autocast_at(self, node: nodes.NodeNG, with_grad: bool = False) -> Optional[Region]:
         """The region if autocast is (or may be) on at ``node``; None if off or outside."""
@@ -133,12 +135,10 @@ class Regions:
 
     # -- enclosure ---------------------------------------------------------------------
 
-    def _region_at(
-        self, node: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
-    ) -> Optional[Region]:
+    def _region_at(self, node: nodes.NodeNG, with_grad: bool) -> Optional[Region]:
         region, function = self._opened_around(node, lambdas_are_functions=True)
         if region is None and function is not None:
-            return self._inherited_region(function, visiting, with_grad)
+            return self._inherited_region(function, with_grad)
         return region
 
     def _opened_around(
@@ -162,27 +162,21 @@ class Regions:
             child, parent = parent, parent.parent
         return None, None
 
-    def _inherited_region(
-        self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG], with_grad: bool
-    ) -> Optional[Region]:
+    def _inherited_region(self, function: nodes.NodeNG, with_grad: bool) -> Optional[Region]:
         """The region of every same-module call site of ``function``, if they all agree."""
         if not isinstance(function, nodes.FunctionDef):
             return None
-        key = (function, with_grad)
-        if key in self._inherited:
-            return self._inherited[key]
-        if function in visiting:
-            return None
-        visiting.add(function)
+        return self._inherited.answer(
+            (function, with_grad), lambda: self._compute_inherited(function, with_grad))
+
+    def _compute_inherited(self, function: nodes.FunctionDef, with_grad: bool) -> Optional[Region]:
         sites = self.call_sites(function)
         if with_grad:
             sites = [call for call in sites if not self.context.grad.no_grad_at(call)]
-        regions = [self._region_at(call, visiting, with_grad) for call in sites]
-        inherited = None
+        regions = [self._region_at(call, with_grad) for call in sites]
         if regions and all(r is not None and r.active for r in regions):
-            inherited = _merged(regions)
-        self._inherited[key] = inherited
-        return inherited
+            return _merged(regions)
+        return None
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls that run ``function`` (:meth:`Names.call_sites`; for a module's
