@@ -137,18 +137,25 @@ class ManualCast(Check):
         """A copy cast for a checkpoint and not trained by its function: inside a save call
         (``torch.save({"model": deepcopy(model).half()})``), an object that is then saved
         (``x["model"].half(); torch.save(x, f)``), or a ``deepcopy`` not kept under a name
-        that the function trains (``model16 = deepcopy(model).half()`` then trained is
-        training in fp16)."""
+        that the function trains (``model16 = deepcopy(model).half()`` then trained, or an
+        optimizer built over ``model16.actor.parameters()``, is training in fp16)."""
         scope = code_frame(node)
         root = chain_root(func.expr, CHAIN_METHODS)
         keys = {object_key(assign_target(chain_top(node, CHAIN_METHODS))), object_key(root)}
         keys.discard("")
-        if keys & (self.context.grad.trained_in(scope) | _run_before_backward(scope)):
+        trained = self.context.grad.trained_in(scope)
+        if keys & _run_before_backward(scope) or any(
+                _part_of(module, key) for module in trained for key in keys):
             return False
         if _inside_save(node) or keys & _saved_objects(scope):
             return True
         receiver = func.expr
         return isinstance(receiver, nodes.Call) and simple_name(receiver.func) == "deepcopy"
+
+
+def _part_of(module: str, key: str) -> bool:
+    """``module`` is the object ``key`` or one of its submodules (``bc_policy.actor``)."""
+    return module == key or module.startswith(key + ".")
 
 
 def _run_before_backward(scope: nodes.NodeNG) -> set:

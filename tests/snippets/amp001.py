@@ -876,3 +876,20 @@ def distill_video(args, loader, teacher_unet, student_unet, vae, image_encoder):
     for batch in loader:
         student_unet(batch).mean().backward()
         optimizer.step()
+
+
+# ---- a deepcopy cast to fp16 whose submodule is then trained ------------------------------
+def warm_start_actor(agent, demos, lr=1e-3):
+    bc_policy = copy.deepcopy(agent).half()  # AMP001
+    optimizer = torch.optim.SGD(bc_policy.actor.parameters(), lr=lr, momentum=0.9)
+    for obs, actions in demos:
+        loss = torch.nn.functional.cross_entropy(bc_policy.actor(obs).float(), actions)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    agent.actor.load_state_dict(bc_policy.actor.float().state_dict())
+
+
+def export_actor(agent, path):
+    exported = copy.deepcopy(agent).half()
+    torch.save(exported.actor.state_dict(), path)
