@@ -747,12 +747,15 @@ class ScalerAnalysis:
             for call in calls
         )
 
-    def scaled_elsewhere(self, node: nodes.Call) -> bool:
+    def scaled_elsewhere(self, node: nodes.Call, clip: bool = False) -> bool:
         """The gradients ``node`` (a plain ``optimizer.step()`` or a clip) sees are scaled
         though its function runs no backward before it (``backward()`` scales in one method,
         ``step()`` clips and steps in another): code that can reach it (:meth:`_reach`) runs
-        a scaled backward through a scaler built in this module, and none of it steps
-        through a scaler, unscales one or hands one on."""
+        a scaled backward through a scaler built in this module, and none of it unscales
+        one or hands one on, nor steps through one. A ``clip`` may sit in a method that
+        every call in the module runs before the method that steps through the scaler
+        (``opt.clip_grad_norm(1.0); opt.step()`` on a wrapper whose ``step`` runs
+        ``self.scaler.step``): those gradients are still scaled."""
         function = node.scope()
         for call in calls_in_order(function):
             if call is node:
@@ -779,15 +782,34 @@ class ScalerAnalysis:
                 for construction in scaler.constructions
             )
         ]
+        stepping = [flow.scope for flow in flows if flow.scaler_steps]
+        if stepping and not (clip and self._called_before(function, stepping)):
+            return False
         return (
             bool(scaling)
-            and not any(flow.scaler_steps for flow in flows)
             and all(
                 scaler.constructions and self.never_unscaled(scaler.key, flow.scope)
                 for flow in scaling
                 for scaler in flow.scalers.values()
             )
         )
+
+    def _called_before(self, function: nodes.NodeNG, later: List[nodes.NodeNG]) -> bool:
+        """Every call of ``function`` in the module is followed, in its caller, by a call of
+        one of the functions ``later``; there is at least one call."""
+        if function in later or not isinstance(function, nodes.FunctionDef):
+            return False
+        sites = self.names.call_sites(function)
+        for site in sites:
+            following = False
+            for call in calls_in_order(code_frame(site)):
+                if call is site:
+                    following = True
+                elif following and self.names.local_function(call) in later:
+                    break
+            else:
+                return False
+        return bool(sites)
 
     def _reach(self, scope: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
         """The code that shares ``self`` with ``scope``: the methods that can run on the

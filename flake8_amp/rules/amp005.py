@@ -53,7 +53,7 @@ class ClipBeforeUnscale(Check):
         phases = flow.phases_before(node)
         scaled = SCALED in phases and not phases & {UNSCALED, HELPED}
         if not scaled and phases <= {None}:
-            scaled = flow.scaled_on_entry(node) or analysis.scaled_elsewhere(node)
+            scaled = flow.scaled_on_entry(node) or analysis.scaled_elsewhere(node, clip=True)
         if scaled and not flow.in_no_scaler_arm(node):
             self.report(node, func=clip)
 

@@ -945,3 +945,94 @@ def slowfast_epoch(model, loader, optimizer, scaler, cfg):
 
 def slowfast_main(model, loader, optimizer, cfg):
     slowfast_epoch(model, loader, optimizer, torch.amp.GradScaler("cuda"), cfg)
+
+
+# ---- an optimizer wrapper whose clip method runs before the method that steps the scaler --
+class AMPOptimizerWrapper:
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def clip_grad_norm(self, max_norm):
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # AMP005
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class WrapperTrainer:
+    def __init__(self, model, lr):
+        self.model = model
+        self.optimizer = AMPOptimizerWrapper(model.parameters(), lr)
+
+    def train_step(self, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = self.model(batch)
+        self.optimizer.backward(loss)
+        grad_norm = self.optimizer.clip_grad_norm(1.0)
+        self.optimizer.step()
+        return grad_norm
+
+
+class UnscalingWrapper:
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def clip_grad_norm(self, max_norm):
+        self.scaler.unscale_(self.optimizer)
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class UnscalingTrainer:
+    def __init__(self, model, lr):
+        self.model = model
+        self.optimizer = UnscalingWrapper(model.parameters(), lr)
+
+    def train_step(self, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = self.model(batch)
+        self.optimizer.backward(loss)
+        self.optimizer.clip_grad_norm(1.0)
+        self.optimizer.step()
+
+
+class NormAfterStepWrapper:
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def clip_grad_norm(self, max_norm):
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def train_logging_norm_after_step(model, loader, lr):
+    optimizer = NormAfterStepWrapper(model.parameters(), lr)
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.clip_grad_norm(float("inf"))  # unscaled by scaler.step by now
