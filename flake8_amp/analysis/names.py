@@ -581,9 +581,14 @@ class Names:
         (``Net(...)``, ``model`` after ``model = Net(...).to(device)``, ``self.criterion``
         after ``self.criterion = DiceLoss()``, ``model: Net``, ``DDP(model).module``): the
         one class of its :meth:`constructions`."""
-        built = self.constructions(expr, _depth)
-        classes = {self.construction_class(c) for c in built or ()}
+        classes = self.local_classes(expr, _depth)
         return classes.pop() if len(classes) == 1 else None
+
+    def local_classes(self, expr: nodes.NodeNG, _depth: int = 0) -> Set[Optional[nodes.ClassDef]]:
+        """The classes whose call may have built ``expr``'s object (``self.se`` after ``self.se
+        = SqueezeExcite(c) if use_se else nn.Identity()``): None stands for a class from
+        elsewhere."""
+        return {self.construction_class(c) for c in self.constructions(expr, _depth) or ()}
 
     def _annotated_class(self, parameter: nodes.AssignName) -> Optional[nodes.ClassDef]:
         """The class of this module a parameter is annotated with (``model: Net``)."""

@@ -191,13 +191,14 @@ class Regions:
         owner = function.parent
         if function.name == "forward" and isinstance(owner, nodes.ClassDef):
             # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module
-            # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``), and so
+            # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``, and
+            # ``self.se(x)`` after ``self.se = SE(c) if use_se else nn.Identity()``), and so
             # does calling an ``nn.Sequential`` that holds one (``self.tcn(x)``).
             sites.extend(
                 call
                 for calls in self.names.calls_by_name.values()
                 for call in calls
-                if self.names.local_class(call.func) is owner
+                if owner in self.names.local_classes(call.func)
                 or self._sequence_holds(call.func, owner)
             )
         return sites

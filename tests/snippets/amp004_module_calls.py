@@ -858,3 +858,46 @@ class SiameseTrainer:
         with torch.no_grad():
             collapse = out["p1"].std(dim=0).mean()  # AMP004
         return loss.detach(), collapse
+
+
+# ---- a block held through a conditional expression (or nn.Identity) ----------------------
+class SqueezeExcite(nn.Module):
+    def __init__(self, ch):
+        super().__init__()
+        self.fc1 = nn.Conv2d(ch, ch // 4, 1)
+        self.fc2 = nn.Conv2d(ch // 4, ch, 1)
+
+    def forward(self, x):
+        s = x.mean(dim=(2, 3), keepdim=True)  # AMP004
+        return x * torch.sigmoid(self.fc2(F.relu(self.fc1(s))))
+
+
+class UpcastSqueezeExcite(nn.Module):
+    def __init__(self, ch):
+        super().__init__()
+        self.fc = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x):
+        s = x.float().mean(dim=(2, 3), keepdim=True).to(x.dtype)
+        return x * torch.sigmoid(self.fc(s))
+
+
+class OptionalSEBlock(nn.Module):
+    def __init__(self, ch, use_se=True, upcast=False):
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+        self.se = SqueezeExcite(ch) if use_se else nn.Identity()
+        self.se_upcast = UpcastSqueezeExcite(ch) if upcast else nn.Identity()
+
+    def forward(self, x):
+        return self.se_upcast(self.se(self.conv(x)))
+
+
+def train_optional_se(loader, optimizer, scaler):
+    block = OptionalSEBlock(64).cuda()
+    for x in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = block(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
