@@ -420,10 +420,10 @@ class Dtypes:
         return kinds.pop() if len(kinds) == 1 else None
 
     def _forward_called(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        """The ``forward`` that calling a module of a class of this module runs: ``self(x)`` in
-        a method of the class, ``model(x)`` for ``model = Net()``."""
+        """The ``forward`` (or ``__call__``) that calling an object of a class of this module
+        runs: ``self(x)`` in a method of the class, ``model(x)`` for ``model = Net()``."""
         owner = enclosing_class(call) if is_self(call.func) else self.names.local_class(call.func)
-        return self.names.method_of(owner, "forward") if owner is not None else None
+        return self.names.call_method(owner) if owner is not None else None
 
     def _module_call(self, call: nodes.Call, depth: int) -> Optional[str]:
         """``module(x)`` for a module whose construction is known (:meth:`Names.constructions`):
@@ -458,7 +458,7 @@ class Dtypes:
             input_kind = self._of(first, depth) if first is not None else None
         classdef = self.names.construction_class(construction)
         if classdef is not None:
-            forward = self.names.method_of(classdef, "forward")
+            forward = self.names.call_method(classdef)
             return self._followed(forward, call, depth) if forward is not None else None
         qualname = self.names.class_qualname(construction.func) or ""
         if qualname in MODULE_OPS:
@@ -475,8 +475,18 @@ class Dtypes:
             for item in items:
                 kind = self._element_output(item, call, depth, kind)
             return kind
-        # Elements put into a list in an order the code does not show: each either keeps
-        # its input's dtype or produces one kind whatever its input; one must produce it.
+        # Elements put into a list in an order the code does not show. The last one may be
+        # known (``nn.Sequential(*blocks, head)``, a head appended after the loop) and
+        # produce one kind whatever its input; else each either keeps its input's dtype
+        # or produces one kind whatever its input, and one must produce it.
+        last = construction.args[-1]
+        last = self.names.last_item(last.value) if isinstance(last, nodes.Starred) else last
+        if last is not None and not any(  # a class of the file's forward may read its input
+                self.names.construction_class(built) is not None
+                for built in self.names.constructions(last) or ()):
+            kind = self._element_output(last, call, depth, None)
+            if kind is not None:
+                return kind
         produced = set()
         for item in items:
             for element in self.names.constructions(item) or [None]:

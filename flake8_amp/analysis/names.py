@@ -346,6 +346,11 @@ class Names:
                 return None
         return None
 
+    def call_method(self, classdef: nodes.ClassDef) -> Optional[nodes.FunctionDef]:
+        """The method calling an object of ``classdef`` runs: a ``__call__`` of the module's
+        classes (a loss object's), else ``forward`` (``nn.Module.__call__`` runs it)."""
+        return self.method_of(classdef, "__call__") or self.method_of(classdef, "forward")
+
     def methods_sharing_self(self, method: nodes.FunctionDef) -> Optional[List[nodes.FunctionDef]]:
         """The methods that can run on an object ``method`` runs on: those of every class
         in the MRO of each class of this module whose objects can run ``method`` (its class
@@ -885,6 +890,25 @@ class Names:
             items.extend(held)
         return items
 
+    def last_item(self, expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+        """The element a list ends with where the code shows it: a literal's last, or for a
+        name the element its function adds last and unconditionally (``layers.append(head)``
+        after a loop of appends); None otherwise."""
+        items = self.list_items(expr)
+        if not items or isinstance(expr, nodes.ListComp):
+            return None
+        last = items[-1]
+        if isinstance(expr, (nodes.List, nodes.Tuple)):
+            return last
+        frame, node = last.frame(), last.parent
+        while node is not frame:
+            if isinstance(node, _CONDITIONAL_CODE) or (
+                    isinstance(node, nodes.Call) and isinstance(node.func, nodes.Attribute)
+                    and node.func.attrname == "insert"):
+                return None
+            node = node.parent
+        return last
+
     def _list_use(self, use: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """What a use of a list name adds to it ([] for a read); None if it may change it
         otherwise."""
@@ -1272,6 +1296,11 @@ def bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     if isinstance(parent, nodes.Assign):
         return parent.value
     return None
+
+
+#: Code that may run any number of times, or not at all.
+_CONDITIONAL_CODE = (nodes.For, nodes.While, nodes.If, nodes.Try, nodes.IfExp, nodes.BoolOp,
+                     nodes.Comprehension)
 
 
 def _list_binding_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:

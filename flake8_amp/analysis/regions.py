@@ -189,9 +189,10 @@ class Regions:
     def _compute_call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         sites = self.names.call_sites(function)
         owner = function.parent
-        if function.name == "forward" and isinstance(owner, nodes.ClassDef):
+        if function.name in ("forward", "__call__") and isinstance(owner, nodes.ClassDef):
             # ``model(x)`` runs ``Net.forward`` when ``model = Net(...)`` in this module
-            # (also ``self.criterion(...)`` after ``self.criterion = DiceLoss()``, and
+            # (``compute_loss(p, t)`` a ``ComputeLoss.__call__``; ``self.criterion(...)`` after
+            # ``self.criterion = DiceLoss()``, and
             # ``self.se(x)`` after ``self.se = SE(c) if use_se else nn.Identity()``), and so
             # does calling an ``nn.Sequential`` that holds one (``self.tcn(x)``).
             sites.extend(

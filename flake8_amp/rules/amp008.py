@@ -23,12 +23,21 @@ class BackwardUnderAutocast(Check):
     def visit_call(self, node: nodes.Call) -> None:
         if self.context.grad.no_grad_at(node):
             return
-        regions = self.context.regions
         if self._is_backward(node):
-            if regions.autocast_at(node, with_grad=True) is not None:
+            if self._reported_here(node):
                 self.report(node)
-        elif regions.autocast_at(node) is not None and self._runs_backward_unreported(node):
+        elif (self.context.regions.autocast_at(node) is not None
+              and self._runs_backward_unreported(node)):
             self.report(node)
+
+    def _reported_here(self, backward: nodes.Call) -> bool:
+        """``backward`` runs under autocast and is reported where it is: not in an object's
+        ``__call__`` that only its callers' regions reach (the object's call is the line)."""
+        regions = self.context.regions
+        if regions.autocast_at(backward, with_grad=True) is None:
+            return False
+        frame = backward.frame()
+        return frame.name != "__call__" or regions.local_region(backward)[0]
 
     def _runs_backward_unreported(self, call: nodes.Call) -> bool:
         """``call`` calls a function of this module that runs a backward (``accumulate(loss,
@@ -40,15 +49,13 @@ class BackwardUnderAutocast(Check):
         helper = names.local_function(call) or names.object_method(call)
         if helper is None:
             return False
-        regions, grad = self.context.regions, self.context.grad
+        grad = self.context.grad
         backwards = [
             inner
             for inner in calls_in_order(helper)
             if self._is_backward(inner) and not grad.no_grad_at(inner)
         ]
-        return bool(backwards) and all(
-            regions.autocast_at(inner, with_grad=True) is None for inner in backwards
-        )
+        return bool(backwards) and not any(self._reported_here(inner) for inner in backwards)
 
     def _is_backward(self, node: nodes.Call) -> bool:
         qualname = self.context.names.qualname(node.func)

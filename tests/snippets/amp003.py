@@ -432,3 +432,32 @@ class SegTrainer:
         with torch.autocast("cuda", dtype=torch.float16):
             output = self.network(data)
         return self.loss([o.float() for o in output], target)
+
+
+# ---- a loss object whose __call__ runs under its callers' autocast ------------------------
+class ComputeObjectnessLoss:
+    def __init__(self):
+        self.bce_obj = nn.BCELoss()
+
+    def __call__(self, preds, targets):
+        return self.bce_obj(preds[..., 4].sigmoid(), targets)  # AMP003
+
+
+class ComputeObjectnessLogitLoss:
+    def __init__(self):
+        self.bce_obj = nn.BCEWithLogitsLoss()
+
+    def __call__(self, preds, targets):
+        return self.bce_obj(preds[..., 4], targets)
+
+
+def train_detector(model, loader, optimizer):
+    compute_loss = ComputeObjectnessLoss()
+    compute_logit_loss = ComputeObjectnessLogitLoss()
+    for images, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            preds = model(images)
+            loss = compute_loss(preds, targets) + compute_logit_loss(preds, targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()

@@ -901,3 +901,44 @@ def train_optional_se(loader, optimizer, scaler):
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
+
+
+# ---- nn.Sequential(*layers) whose head is appended after the loop ------------------------
+class HeadMLP(nn.Module):
+    def __init__(self, inp, out, hidden=256, depth=3):
+        super().__init__()
+        layers, d = [], inp
+        for _ in range(depth):
+            layers += [nn.Linear(d, hidden), nn.LayerNorm(hidden), nn.ELU()]
+            d = hidden
+        layers.append(nn.Linear(d, out))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class MaybeSquashedMLP(nn.Module):
+    def __init__(self, inp, out, hidden=256, squash=False):
+        super().__init__()
+        layers = [nn.Linear(inp, hidden), nn.LayerNorm(hidden), nn.Linear(hidden, out)]
+        if squash:
+            layers.append(nn.LayerNorm(out))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def train_value_heads(feats, optimizer, scaler):
+    reward_head = HeadMLP(512, 1).cuda()
+    squashed_head = MaybeSquashedMLP(512, 1).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        rewards = reward_head(feats).squeeze(-1)
+        adv = (rewards - rewards.mean()) / rewards.std()  # AMP004
+        squashed = squashed_head(feats).squeeze(-1)
+        spread = squashed.std()
+        loss = adv.float().pow(2).mean() + spread.float()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
