@@ -261,6 +261,25 @@ def test_analysis_failure_is_one_amp000_line_not_a_traceback():
     ]
 
 
+def test_a_long_chain_of_casts_to_another_tensors_dtype_is_analysed(tmp_path, flake8):
+    # ``x.to(other)`` asks for ``other``'s dtype inside the query it is part of: the depth
+    # limit holds through it (a model file of transformers' once exhausted the recursion).
+    links = "\n".join(f"    x{i} = (x{i - 1} + 1).to(x{i - 1})" for i in range(1, 400))
+    source = (
+        "import torch\n\n\ndef chain(x0):\n" + links + "\n"
+        "    return x399\n\n\n"
+        "def train(model, optimizer):\n"
+        "    with torch.autocast('cuda', dtype=torch.float16):\n"
+        "        loss = chain(model(torch.ones(2))).mean()\n"
+        "    loss.backward()\n"
+    )
+    path = tmp_path / "chain.py"
+    path.write_text(source)
+    result = flake8(["--isolated", "--select=AMP", path])
+    assert "AMP000" not in result.stdout and result.returncode in (0, 1), result.stdout
+    assert "AMP010" in codes(result.stdout), result.stdout
+
+
 def test_astroid_never_loads_torch():
     # Attribute assignments (``torch.backends.cudnn.benchmark = True``) and imports are
     # where astroid's own post-processing would infer into torch; the checker must not.

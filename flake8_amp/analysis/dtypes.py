@@ -256,10 +256,11 @@ class Dtypes:
                 return self.constant(values[0])
         return None
 
-    def cast_target(self, call: nodes.Call) -> Optional[str]:
+    def cast_target(self, call: nodes.Call, _depth: int = 0) -> Optional[str]:
         """The kind a conversion converts to: ``.half()``, ``.to(torch.float16)``, ``.to(device,
         dtype=HALF)``, ``.type("torch.cuda.HalfTensor")``, ``.to(other)`` / ``.type_as(other)``
-        for a tensor of known dtype; None for moves (``.to(device)``) and other calls."""
+        for a tensor of known dtype; None for moves (``.to(device)``) and other calls. The
+        dtype flow passes its depth (``other``'s dtype is part of the query it is in)."""
         method, receiver = method_call(call)
         if receiver is None:
             return None
@@ -268,7 +269,7 @@ class Dtypes:
         if method not in CONVERSIONS:
             return None
         if method == "type_as":
-            return self.of(call.args[0]) if len(call.args) == 1 else None
+            return self._of(call.args[0], _depth) if len(call.args) == 1 else None
         dtype = keyword_value(call, "dtype") or keyword_value(call, "dst_type")
         if dtype is not None:
             return self.constant(dtype)
@@ -277,7 +278,7 @@ class Dtypes:
                 continue  # strings given to ``.to`` are devices
             kind = self.constant(arg)
             if kind is None and method == "to" and not _is_device(arg):
-                kind = self.of(arg)  # ``x.to(other)``: other's dtype (and device)
+                kind = self._of(arg, _depth)  # ``x.to(other)``: other's dtype (and device)
             if kind is not None:
                 return kind
         return None
@@ -839,7 +840,7 @@ class Dtypes:
             if reinterpreted is not None:
                 return reinterpreted
         if method in CONVERSIONS:
-            target = self.cast_target(call)
+            target = self.cast_target(call, depth)
             if target is None and method == "to" and all(_is_device(a) for a in call.args):
                 return self._of(func.expr, depth)
             return target
