@@ -222,6 +222,10 @@ class GradContext:
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
+                # the innermost name that says decides; training wins in one that says both
+                # (``train_generator``, ``train_link_prediction``)
+                if named_for_training(current.name):
+                    break
                 if any(word in self.words for word in name_words(current.name)):
                     return True
             current = current.parent

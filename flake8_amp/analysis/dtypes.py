@@ -134,7 +134,8 @@ PRESERVING: FrozenSet[str] = frozenset(
     avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_avg_pool1d
     adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle Parameter
     clamp_min clamp_max clamp_min_ clamp_max_ logsigmoid hardsigmoid softsign tanhshrink glu
-    nan_to_num triu tril diagonal movedim swapaxes""".split()
+    nan_to_num triu tril diagonal movedim swapaxes unbind tensor_split split_with_sizes hsplit
+    vsplit dsplit""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -622,12 +623,55 @@ class Dtypes:
                 argument = argument_for(call, arguments, parameter.name)
                 return self._in_frames(self._frames[:index], argument, depth, element)
         kinds = set()
-        for site in self.regions.call_sites(function):
-            argument = argument_for(site, arguments, parameter.name)
-            kinds.add(self._in_frames(self._frames, argument, depth, element))
+        owner = function.parent if function.name == "forward" else None
+        for site in self._training_sites(function):
+            if (isinstance(owner, nodes.ClassDef) and element < 0
+                    and owner not in self.names.local_classes(site.func)):
+                # an element of an ``nn.Sequential`` called at ``site``: fed by the one before
+                kinds.add(self._sequence_input(site, owner, arguments, parameter, depth))
+            else:
+                argument = argument_for(site, arguments, parameter.name)
+                kinds.add(self._in_frames(self._frames, argument, depth, element))
             if None in kinds:
                 return None
         return kinds.pop() if len(kinds) == 1 else None
+
+    def _training_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
+        """The calls of ``function`` in the module, judged as the training run: those with
+        gradients on, where there are any (``decoder(z, edges)`` in the training loop, not
+        in a ``no_grad`` evaluation that feeds it fp32 outside autocast)."""
+        sites = self.regions.call_sites(function)
+        training = [site for site in sites if not self.context.grad.no_grad_at(site)]
+        return training or sites
+
+    def _sequence_input(
+        self, site: nodes.Call, owner: nodes.ClassDef, arguments: nodes.Arguments,
+        parameter: nodes.AssignName, depth: int,
+    ) -> Optional[str]:
+        """The kind an element of class ``owner`` of the ``nn.Sequential`` called at ``site``
+        gets as its input (``parameter``, the first after ``self``): the output of the
+        elements before it, fed the call's input (``nn.Sequential(nn.Conv2d(...),
+        LayerNorm2d(c))`` feeds the norm the convolution's output)."""
+        if arguments.args[1:2] != [parameter] or len(site.args) != 1:
+            return None
+        position = None
+        for construction in self.names.constructions(site.func) or ():
+            items = self.names.container_items(construction)
+            if items is None or any(isinstance(a, nodes.Starred) for a in construction.args):
+                return None
+            for index, item in enumerate(items):
+                if any(self.names.construction_class(built) is owner
+                       for built in self.names.constructions(item) or ()):
+                    if position is not None:
+                        return None  # held more than once: inputs may differ
+                    position = (items, index)
+        if position is None:
+            return None
+        items, index = position
+        kind = self._in_frames(self._frames, site.args[0], depth)
+        for item in items[:index]:
+            kind = self._element_output(item, site, depth, kind)
+        return kind
 
     def _in_frames(
         self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int, element: int = -1

@@ -391,3 +391,20 @@ def focal_loss_after_the_block(model, images, labels, optimizer):
     loss = criterion(logits, labels)  # AMP002
     loss.backward()
     optimizer.step()
+
+
+# ---- a training function whose name also names what it trains (a predictor) -------------
+def train_predictor(generator, critic, z, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        fake = generator(z)
+        scores = torch.nn.functional.linear(fake, critic)
+        loss = -scores.mean()  # AMP004
+    scaler.scale(loss.float()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def generate_samples(generator, z, critic):
+    with torch.autocast("cuda", dtype=torch.float16):
+        scores = torch.nn.functional.linear(generator(z), critic)
+        return scores.mean()

@@ -942,3 +942,93 @@ def train_value_heads(feats, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# ---- an element of an nn.Sequential takes the output of the one before it -----------------
+class ChannelsLayerNorm(nn.Module):
+    def __init__(self, channels, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.eps = eps
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)  # AMP004
+        return self.weight[:, None, None] * (x - u)
+
+
+class InputStandardize(nn.Module):
+    def forward(self, x):
+        return (x - x.mean(dim=(2, 3), keepdim=True)) / 255.0
+
+
+class Stem(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, dim, 4, stride=4), ChannelsLayerNorm(dim))
+        self.pre = nn.Sequential(InputStandardize(), nn.Conv2d(3, 3, 1))
+
+    def forward(self, images):
+        return self.stem(images), self.pre(images)
+
+
+def train_stem(loader, optimizer, scaler):
+    stem = Stem(96).cuda()
+    for images in loader:
+        images = images.float()
+        with torch.autocast("cuda", dtype=torch.float16):
+            features, standardized = stem(images)
+            loss = features.float().pow(2).mean() + standardized.float().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# ---- a module also called by no_grad evaluation is judged as the training run -------------
+class PairScorer(nn.Module):
+    def forward(self, z, pairs):
+        src, dst = pairs.unbind(0)
+        return (z[src] * z[dst]).mean(dim=-1)  # AMP004
+
+
+@torch.no_grad()
+def score_pairs_after_training(scorer, z, pairs):
+    return scorer(z, pairs)
+
+
+def train_pair_scorer(x, pairs, labels, optimizer, scaler):
+    encoder = nn.Linear(64, 64).cuda()
+    scorer = PairScorer()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = F.binary_cross_entropy_with_logits(scorer(encoder(x), pairs).float(), labels)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return score_pairs_after_training(scorer, encoder(x).float(), pairs)
+
+
+# ---- q, k, v unbound from one projection keep its dtype -----------------------------------
+class QKNormAttention(nn.Module):
+    def __init__(self, channels, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Conv1d(channels, channels * 3, 1)
+
+    def _rms(self, t):
+        return t * torch.rsqrt(t.pow(2).float().mean(-1, keepdim=True)).to(t.dtype)
+
+    def _ms(self, t):
+        return (t * t).mean(dim=-1, keepdim=True)  # AMP004
+
+    def forward(self, x):
+        B, C, L = x.shape
+        q, k, v = self.qkv(x).reshape(B, 3, self.heads, C // self.heads, L).unbind(1)
+        return self._rms(q) * self._ms(k) + v
+
+
+def train_qk_attention(x, optimizer, scaler):
+    attention = QKNormAttention(64).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = attention(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
