@@ -375,9 +375,10 @@ class Dtypes:
 
     def _autocast_known_off(self, node: nodes.NodeNG) -> bool:
         """No caller can have autocast on at ``node``: module-level code, code followed from a
-        call outside regions, or a function whose every call in the module is inside some
-        region or itself in code known to be off -- up to code with no caller here, which
-        someone elsewhere (a framework's ``training_step``) may run under autocast."""
+        call outside regions, or a function whose every call in the module is inside an
+        ``enabled=False`` island or itself in code known to be off -- up to code with no
+        caller here, which someone elsewhere (a framework's ``training_step``) may run under
+        autocast."""
         frame = code_frame(node)
         if any(function is frame for function, _, _ in self._frames):
             return True
@@ -390,11 +391,14 @@ class Dtypes:
         if not sites:
             return False
         visiting.add(frame)
-        return all(
-            self.regions.region_at(site) is not None
-            or self._callers_off(code_frame(site), visiting)
-            for site in sites
-        )
+        for site in sites:
+            region = self.regions.region_at(site)
+            if region is None:
+                if not self._callers_off(code_frame(site), visiting):
+                    return False
+            elif region.active:  # a caller runs it under autocast (in a region of another dtype)
+                return False
+        return True
 
     def _followed(
         self, function: nodes.FunctionDef, call: nodes.Call, depth: int, element: int = -1

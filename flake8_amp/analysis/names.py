@@ -212,15 +212,17 @@ class Names:
         return by_name
 
     def local_function(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        """The function or method of this module that ``call`` calls: ``self.f(...)`` calls
-        the ``f`` of the first class defining it in its class's MRO (:meth:`method_of`)."""
+        """The function or method of this module that ``call`` calls: ``self.f(...)`` (and
+        ``cls.f(...)``) calls the ``f`` of the first class defining it in its class's MRO
+        (:meth:`method_of`)."""
         func = call.func
         if isinstance(func, nodes.Name):
             definitions = self.bindings(func)
             if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
                 return None
             return definitions[0]
-        if isinstance(func, nodes.Attribute) and is_self(func.expr):
+        if isinstance(func, nodes.Attribute) and (is_self(func.expr) or is_cls(func.expr)):
+            # ``self.f(...)``; ``cls.f(...)`` in a classmethod (an ESPnet-style trainer)
             owner = enclosing_class(call)
             return self.method_of(owner, func.attrname) if owner is not None else None
         if isinstance(func, nodes.Attribute) and _is_super_call(func.expr):
@@ -1364,20 +1366,32 @@ def argument_for(
 
 def is_self(expr: nodes.NodeNG) -> bool:
     """``expr`` is the first parameter of the method it appears in (``self``)."""
+    return _first_parameter_of(expr) == "method"
+
+
+def is_cls(expr: nodes.NodeNG) -> bool:
+    """``expr`` is the first parameter of the classmethod it appears in (``cls``)."""
+    return _first_parameter_of(expr) == "classmethod"
+
+
+def _first_parameter_of(expr: nodes.NodeNG) -> Optional[str]:
+    """"method" or "classmethod" when ``expr`` names the first parameter of the method it
+    appears in, of that kind; None otherwise (and in a staticmethod)."""
     if not isinstance(expr, nodes.Name):
-        return False
+        return None
     function = code_frame(expr)
     if not isinstance(function, nodes.FunctionDef) or not isinstance(
         function.parent, nodes.ClassDef
     ):
-        return False
+        return None
     params = function.args.posonlyargs + function.args.args
-    decorators = function.decorators.nodes if function.decorators else []
-    if any(
-        isinstance(d, nodes.Name) and d.name in ("staticmethod", "classmethod") for d in decorators
-    ):
-        return False
-    return bool(params) and params[0].name == expr.name
+    if not params or params[0].name != expr.name:
+        return None
+    decorators = {d.name for d in (function.decorators.nodes if function.decorators else ())
+                  if isinstance(d, nodes.Name)}
+    if "staticmethod" in decorators:
+        return None
+    return "classmethod" if "classmethod" in decorators else "method"
 
 
 def enclosing_class(node: nodes.NodeNG) -> Optional[nodes.ClassDef]:

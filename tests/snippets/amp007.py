@@ -463,3 +463,41 @@ def run_tuple_trainer(loader, dims):
     trainer = TupleTrainer(model, torch.optim.AdamW(model.parameters()))
     for x, pad_mask in loader:
         trainer.train_step(x, pad_mask)
+
+
+# ---- model code some callers run under autocast and others not: not known to be fp32 ------
+class SeedReadout(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.seed = torch.nn.Parameter(torch.randn(1, dim))
+        self.lin_q = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, mask):
+        q = self.lin_q(self.seed)
+        scores = q @ x.transpose(-2, -1)
+        return torch.where(mask, scores, torch.tensor(-1e9, device=scores.device))  # AMP007
+
+
+class IslandReadout(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.seed = torch.nn.Parameter(torch.randn(1, dim))
+        self.lin_q = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, mask):
+        q = self.lin_q(self.seed)
+        scores = q @ x.float().transpose(-2, -1)
+        return torch.where(mask, scores, torch.tensor(-1e9, device=scores.device))
+
+
+def fit_readouts(x, mask, optimizer):
+    readout, island = SeedReadout(64), IslandReadout(64)
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = readout(x, mask)
+        with torch.autocast("cuda", enabled=False):
+            out = out.float() + island(x, mask)
+    out.sum().backward()
+    optimizer.step()
+    half_readout = SeedReadout(64).half()
+    half_readout(x.half(), mask).float().sum().backward()
+    optimizer.step()

@@ -43,3 +43,45 @@ class ScalesThroughAMethod:
             loss = self.model(batch)
         loss = self.scale_loss(loss)
         loss.backward()
+
+
+# ---- a classmethod trainer that hands its scaler on through cls.<method>(...) -------------
+class ClassTrainer:
+    @classmethod
+    def run(cls, model, loader, optimizer, use_amp):
+        scaler = torch.amp.GradScaler("cuda") if use_amp else None  # AMP010
+        for _ in range(3):
+            cls.train_one_epoch(model, loader, optimizer, scaler=scaler)
+
+    @classmethod
+    def train_one_epoch(cls, model, loader, optimizer, scaler):
+        for batch in loader:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=scaler is not None):
+                loss = model(batch)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+
+
+class Fp16ClassTrainer:
+    @classmethod
+    def run(cls, model, loader, optimizer, use_amp):
+        scaler = torch.amp.GradScaler("cuda") if use_amp else None
+        cls.train_one_epoch(model, loader, optimizer, scaler=scaler)
+
+    @classmethod
+    def train_one_epoch(cls, model, loader, optimizer, scaler):
+        for batch in loader:
+            with torch.autocast("cuda", dtype=torch.float16, enabled=scaler is not None):
+                loss = model(batch)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
