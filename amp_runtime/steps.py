@@ -24,7 +24,6 @@ import threading
 import weakref
 from typing import Optional
 
-import torch
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook,
 )

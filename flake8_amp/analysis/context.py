@@ -222,14 +222,24 @@ class GradContext:
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
-                # the innermost name that says decides; training wins in one that says both
-                # (``train_generator``, ``train_link_prediction``)
-                if named_for_training(current.name):
+                # the innermost name that says decides, by its first word that says
+                # (``train_link_prediction`` trains, ``test_cast_in_training`` tests)
+                purpose = self._named_purpose(current.name)
+                if purpose is not None:
+                    if purpose == "inference":
+                        return True
                     break
-                if any(word in self.words for word in name_words(current.name)):
-                    return True
             current = current.parent
         return self._is_eval_scope(scope)
+
+    def _named_purpose(self, name: str) -> Optional[str]:
+        """"training" or "inference" by the first word of ``name`` that names either."""
+        for index, word in enumerate(name_words(name)):
+            if word in self.words:
+                return "inference"
+            if word in TRAINING_WORDS and (word != "fit" or index == 0):
+                return "training"
+        return None
 
     def training_at(self, node: nodes.NodeNG, _hops: int = _MAX_RETURN_HOPS) -> bool:
         """There is positive evidence that ``node`` is training code: its function is named

@@ -408,3 +408,9 @@ def generate_samples(generator, z, critic):
     with torch.autocast("cuda", dtype=torch.float16):
         scores = torch.nn.functional.linear(generator(z), critic)
         return scores.mean()
+
+
+def test_fp16_scores_in_training_mode(generator, critic, z):
+    with torch.autocast("cuda", dtype=torch.float16):
+        scores = torch.nn.functional.linear(generator(z), critic)
+        assert torch.isfinite(scores.mean())
