@@ -754,6 +754,9 @@ class Names:
             ):
                 return None
             iterable = iterable.args[0]
+        listed = self.list_items(iterable)
+        if listed:  # a plain list of modules: ``[Block(d, m) for m in mixers]``
+            return self._all_constructions(listed, depth)
         containers = self.constructions(iterable, depth)
         if not containers or any(
             self.qualname(c.func) == "torch.nn.ModuleDict" for c in containers
@@ -922,6 +925,8 @@ class Names:
             if parent.attrname == "add_module" or any(arg is use for arg in call.args):
                 return None  # not a list's method; ``x.extend(x)``
             return self._added_by(call)
+        if isinstance(parent, (nodes.For, nodes.Comprehension)) and parent.iter is use:
+            return []  # iterated over
         if isinstance(parent, nodes.Starred):
             parent = parent.parent
         if isinstance(parent, nodes.Call) and use is not parent.func:

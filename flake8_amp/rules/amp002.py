@@ -344,7 +344,10 @@ class LossOutsideAutocast(Check):
                     and callee.qualname.startswith("torch.")
                     and call_argument(expr, 0, "input") is not None
                 ):
-                    expr = call_argument(expr, 0, "input")
+                    first = call_argument(expr, 0, "input")
+                    if _is_string(first) and len(expr.args) > 1:
+                        first = expr.args[1]  # ``torch.einsum("bd,bd->b", q, k)``: q
+                    expr = first
                 else:
                     return expr
             else:
@@ -389,3 +392,7 @@ def _is_torch_loss(qualname: str, instance: bool) -> bool:
         and qualname.count(".") <= 3
         and (name.endswith("_loss") or name in LOSS_FUNCTIONS)
     )
+
+
+def _is_string(expr: nodes.NodeNG) -> bool:
+    return isinstance(expr, nodes.Const) and isinstance(expr.value, str)

@@ -860,3 +860,26 @@ def separation_validate(model, loader):
             est = model(mix)
         total += -pit_si_snr_loss(est, sources).item()
     return total
+
+
+# ---- a distance of einsum scores computed from the region's outputs after the block -------
+def train_margin_distillation(model, batch, teacher_margin, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        q_emb = model(batch["query"])
+        d_emb = model(batch["doc"])
+    margin = torch.einsum("bd,bd->b", q_emb, d_emb)
+    loss = F.mse_loss(margin, teacher_margin)  # AMP002
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def train_margin_distillation_upcast(model, batch, teacher_margin, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        q_emb = model(batch["query"])
+        d_emb = model(batch["doc"])
+    margin = torch.einsum("bd,bd->b", q_emb.float(), d_emb.float())
+    loss = F.mse_loss(margin, teacher_margin)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()

@@ -1032,3 +1032,63 @@ def train_qk_attention(x, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# ---- mixers chosen per layer into a plain list, then wrapped block by block ---------------
+class GatedMixer(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.v = nn.Linear(dim, dim)
+        self.g = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        decay = torch.cumsum(F.logsigmoid(self.g(x)), dim=1)  # AMP004
+        self.energy = self.v(x).pow(2).float().mean()
+        return self.v(x) * decay.float().exp().to(x.dtype)
+
+
+class ConvMixer(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return y - y.mean(dim=1, keepdim=True)  # AMP004
+
+
+class MixerBlock(nn.Module):
+    def __init__(self, dim, mixer):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mixer = mixer
+
+    def forward(self, x):
+        return x + self.mixer(self.norm(x))
+
+
+class HybridStack(nn.Module):
+    def __init__(self, dim, depth):
+        super().__init__()
+        mixers = []
+        for i in range(depth):
+            if i % 2:
+                mixers.append(GatedMixer(dim))
+            else:
+                mixers.append(ConvMixer(dim))
+        self.blocks = nn.ModuleList([MixerBlock(dim, m) for m in mixers])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def train_hybrid_stack(x, optimizer):
+    stack = HybridStack(64, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = stack(x)
+        off_diagonal = torch.diag_embed(torch.diagonal(out @ out.transpose(1, 2), dim1=1, dim2=2))
+        loss = out.float().pow(2).mean() + off_diagonal.abs().sum()  # AMP004
+    loss.backward()
+    optimizer.step()
