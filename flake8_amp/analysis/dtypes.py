@@ -212,6 +212,8 @@ NUMBER_METHODS = frozenset({"item", "size", "numel", "dim"})
 NUMBER_ANNOTATIONS = frozenset({"float", "int", "bool", "Optional[float]", "Optional[int]"})
 _ARITHMETIC = frozenset({"+", "-", "*", "/"})
 _MAX_DEPTH = 32
+#: A followed call's parameters take its arguments.
+FROM_CALL = object()
 
 
 def is_low(kind: Optional[str]) -> bool:
@@ -236,7 +238,11 @@ class Dtypes:
         #: this module), each with the region its call runs in (autocast is dynamic, so
         #: their code runs in their caller's region unless it opens its own) and the call,
         #: which binds their parameters.
-        self._frames: Tuple[Tuple[nodes.FunctionDef, Optional[Region], nodes.Call], ...] = ()
+        #: Calls followed: ``(function, region, call, input)``, ``input`` the kind its first
+        #: parameter takes when that is not the call's argument (an ``nn.Sequential``
+        #: element is fed the one before it), else ``FROM_CALL``.
+        self._frames: Tuple[Tuple[nodes.FunctionDef, Optional[Region], nodes.Call, object], ...]
+        self._frames = ()
 
     def constant(self, expr: Optional[nodes.NodeNG]) -> Optional[str]:
         """The kind a dtype expression names (``torch.float16``, ``"torch.cuda.HalfTensor"``,
@@ -366,7 +372,7 @@ class Dtypes:
         from ``no_grad`` evaluation outside autocast still runs under autocast when it
         trains)."""
         frame = code_frame(node)
-        for function, caller_region, _ in reversed(self._frames):
+        for function, caller_region, _, _ in reversed(self._frames):
             if function is frame:
                 found, region = self.regions.local_region(node)
                 region = region if found else caller_region
@@ -380,7 +386,7 @@ class Dtypes:
         caller here, which someone elsewhere (a framework's ``training_step``) may run under
         autocast."""
         frame = code_frame(node)
-        if any(function is frame for function, _, _ in self._frames):
+        if any(entry[0] is frame for entry in self._frames):
             return True
         return self._callers_off(frame, set())
 
@@ -401,21 +407,23 @@ class Dtypes:
         return True
 
     def _followed(
-        self, function: nodes.FunctionDef, call: nodes.Call, depth: int, element: int = -1
+        self, function: nodes.FunctionDef, call: nodes.Call, depth: int, element: int = -1,
+        first_input: object = FROM_CALL,
     ) -> Optional[str]:
         """The kind ``function`` returns when ``call`` runs it (a module's ``forward``, a
         function of this module), in the region ``call`` runs in -- or, with ``element``, the
         kind of that element of what it returns (``out, hs = decode(h)``; also through a
         returned call, ``return self.head(x)`` of a head returning ``logits, z``); None if
-        unknown, for recursion, or beyond :data:`_MAX_FRAMES` calls deep."""
+        unknown, for recursion, or beyond :data:`_MAX_FRAMES` calls deep. ``first_input``:
+        the kind the first parameter takes instead of ``call``'s argument."""
         returns = returned_values(function)
         if not returns or len(self._frames) >= _MAX_FRAMES:
             return None
-        if any(function is followed for followed, _, _ in self._frames):
+        if any(entry[0] is function for entry in self._frames):
             return None
         region = self.region_at(call)
         saved = self._frames
-        self._frames = saved + ((function, region, call),)
+        self._frames = saved + ((function, region, call, first_input),)
         try:
             kinds = {
                 self._of(value, depth) if element < 0 else self._element(value, element, depth)
@@ -465,7 +473,11 @@ class Dtypes:
         classdef = self.names.construction_class(construction)
         if classdef is not None:
             forward = self.names.call_method(classdef)
-            return self._followed(forward, call, depth) if forward is not None else None
+            if forward is None:
+                return None
+            # inside an ``nn.Sequential`` its input is the previous element's output
+            fed = FROM_CALL if from_input else (input_kind,)
+            return self._followed(forward, call, depth, first_input=fed)
         qualname = self.names.class_qualname(construction.func) or ""
         if qualname in MODULE_OPS:
             return self._autocast_output(call, MODULE_OPS[qualname], input_kind)
@@ -622,8 +634,10 @@ class Dtypes:
         if not isinstance(function, nodes.FunctionDef):
             return None
         for index in range(len(self._frames) - 1, -1, -1):
-            followed, _, call = self._frames[index]
+            followed, _, call, first_input = self._frames[index]
             if followed is function:
+                if first_input is not FROM_CALL and arguments.args[1:2] == [parameter]:
+                    return first_input[0] if element < 0 else None
                 argument = argument_for(call, arguments, parameter.name)
                 return self._in_frames(self._frames[:index], argument, depth, element)
         kinds = set()
@@ -655,27 +669,22 @@ class Dtypes:
         """The kind an element of class ``owner`` of the ``nn.Sequential`` called at ``site``
         gets as its input (``parameter``, the first after ``self``): the output of the
         elements before it, fed the call's input (``nn.Sequential(nn.Conv2d(...),
-        LayerNorm2d(c))`` feeds the norm the convolution's output)."""
+        LayerNorm2d(c))`` feeds the norm the convolution's output); where it is held more
+        than once, every place must agree."""
         if arguments.args[1:2] != [parameter] or len(site.args) != 1:
             return None
-        position = None
+        kinds = set()
         for construction in self.names.constructions(site.func) or ():
             items = self.names.container_items(construction)
             if items is None or any(isinstance(a, nodes.Starred) for a in construction.args):
                 return None
-            for index, item in enumerate(items):
+            kind = self._in_frames(self._frames, site.args[0], depth)
+            for item in items:
                 if any(self.names.construction_class(built) is owner
                        for built in self.names.constructions(item) or ()):
-                    if position is not None:
-                        return None  # held more than once: inputs may differ
-                    position = (items, index)
-        if position is None:
-            return None
-        items, index = position
-        kind = self._in_frames(self._frames, site.args[0], depth)
-        for item in items[:index]:
-            kind = self._element_output(item, site, depth, kind)
-        return kind
+                    kinds.add(kind)
+                kind = self._element_output(item, site, depth, kind)
+        return kinds.pop() if len(kinds) == 1 else None
 
     def _in_frames(
         self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int, element: int = -1

@@ -306,6 +306,39 @@ class Names:
     def module_classes(self) -> List[nodes.ClassDef]:
         return list(self.context.module.nodes_of_class(nodes.ClassDef))
 
+    @functools.cached_property
+    def root_model(self) -> Optional[nodes.ClassDef]:
+        """The one class of this module that is an ``nn.Module`` with a ``forward`` and that no
+        code here builds, when every other such class is built in one of the classes' code (a
+        model file: blocks, heads and losses, and the model they make up); None otherwise."""
+        modules = [c for c in self.module_classes if self._is_module_class(c)]
+        built = {self._called_class(call) for call in self.module_calls}
+        roots = [c for c in modules if c not in built]
+        if len(roots) != 1 or any(
+                not any(_contains(owner, call) for owner in modules for call in self.module_calls
+                        if self._called_class(call) is c)
+                for c in modules if c is not roots[0]):
+            return None
+        root = roots[0]
+        # a model is made of layers (a loss module of the file is no model)
+        parts = [call for call in self.module_calls if _contains(root, call)
+                 and (self._called_class(call) in modules
+                      or self._builds_layer(call))]
+        return root if parts else None
+
+    def _builds_layer(self, call: nodes.Call) -> bool:
+        """``nn.Linear(...)``, ``nn.Conv2d(...)``...: a ``torch.nn`` layer class."""
+        qualname = self.qualname(call.func) or ""
+        name = last_part(qualname)
+        return (qualname.startswith("torch.nn.") and name[:1].isupper()
+                and name not in ("Parameter", "Module", "ModuleList", "ModuleDict"))
+
+    def _is_module_class(self, classdef: nodes.ClassDef) -> bool:
+        if self.method_of(classdef, "forward") is None:
+            return False
+        return any(isinstance(entry, str) and entry in _MODULE_BASES
+                   for entry in self.class_mro(classdef) or ())
+
     def class_mro(self, classdef: nodes.ClassDef) -> Optional[Tuple[MroEntry, ...]]:
         """``classdef``'s method resolution order (C3, as Python computes it) over the
         classes of this module; a base from elsewhere (``nn.Module``) stands as its source
@@ -421,6 +454,8 @@ class Names:
         in an earlier block no longer reaches. Loops end the search (a later assignment
         in the loop body reaches the next iteration)."""
         bindings = self.bindings(name)
+        if len(bindings) > 1:
+            bindings = [b for b in bindings if not _leaves_before(b, name)]
         last = _last_unconditional_binding(name, bindings) if len(bindings) > 1 else None
         if last is None:
             return bindings
@@ -724,7 +759,12 @@ class Names:
             if annotated is not None:
                 return [annotated]
             # ``train(model, ...)`` called here with ``model = Net().cuda()``
-            return self._all_constructions(self.argument_values(binding) or [], depth)
+            values = self.argument_values(binding)
+            if values is None and binding.name == "model" and self.root_model is not None:
+                # ``def train(model, ...)`` that no call here binds, in a file defining one
+                # model: that model (its other classes are its parts)
+                return [self.root_model]
+            return self._all_constructions(values or [], depth)
         value = literal_value(binding)
         if value is not None:  # ``criterion, spread = DINOLoss(...), KoLeoLoss()``
             return self.constructions(value, depth)
@@ -1305,9 +1345,41 @@ def bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     return None
 
 
+#: ``nn.Module`` as a base class's qualified name.
+_MODULE_BASES = frozenset({"torch.nn.Module", "torch.nn.modules.module.Module"})
 #: Code that may run any number of times, or not at all.
 _CONDITIONAL_CODE = (nodes.For, nodes.While, nodes.If, nodes.Try, nodes.IfExp, nodes.BoolOp,
                      nodes.Comprehension)
+
+
+#: Statements whose blocks are left only through their end (not ``try``: a handler may
+#: run after any statement of its body).
+_BLOCK_HOLDERS = (nodes.If, nodes.For, nodes.While, nodes.With)
+
+
+def _leaves_before(binding: nodes.NodeNG, use: nodes.NodeNG) -> bool:
+    """``binding`` sits in a block that ends with ``return``/``raise`` and does not hold
+    ``use``: ``if not self.training: x = ...; return x`` does not reach the code after
+    the ``if``."""
+    frame, node = binding.frame(), binding.statement()
+    while node is not frame and isinstance(node.parent, _BLOCK_HOLDERS):
+        holder = node.parent
+        for block in (holder.body, getattr(holder, "orelse", None) or []):
+            if node in block:
+                if isinstance(block[-1], (nodes.Return, nodes.Raise)) and not any(
+                        _contains(statement, use) for statement in block):
+                    return True
+                break
+        node = holder
+    return False
+
+
+def _contains(ancestor: nodes.NodeNG, node: nodes.NodeNG) -> bool:
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
 
 
 def _list_binding_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:

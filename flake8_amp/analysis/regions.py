@@ -20,7 +20,7 @@ merely named ``ctx`` is not autocast.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -28,6 +28,7 @@ from flake8_amp.analysis.context import name_words
 from flake8_amp.analysis.names import (
     Callee,
     CutCache,
+    code_frame,
     keyword_value,
     last_part,
     returned_values,
@@ -172,11 +173,26 @@ class Regions:
     def _compute_inherited(self, function: nodes.FunctionDef, with_grad: bool) -> Optional[Region]:
         sites = self.call_sites(function)
         if with_grad:
-            sites = [call for call in sites if not self.context.grad.no_grad_at(call)]
+            sites = [call for call in sites
+                     if not self.context.grad.no_grad_at(call)
+                     and not self._runs_without_grad(code_frame(call), set())]
         regions = [self._region_at(call, with_grad) for call in sites]
         if regions and all(r is not None and r.active for r in regions):
             return _merged(regions)
         return None
+
+    def _runs_without_grad(self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> bool:
+        """Every call of ``function`` in the module runs with gradients off (``block.step``
+        called only from a ``@torch.no_grad()`` generation loop); False without calls."""
+        if not isinstance(function, nodes.FunctionDef) or function in visiting:
+            return False
+        visiting.add(function)
+        sites = self.call_sites(function)
+        return bool(sites) and all(
+            self.context.grad.no_grad_at(call)
+            or self._runs_without_grad(code_frame(call), visiting)
+            for call in sites
+        )
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls that run ``function`` (:meth:`Names.call_sites`; for a module's
@@ -194,13 +210,14 @@ class Regions:
             # (``compute_loss(p, t)`` a ``ComputeLoss.__call__``; ``self.criterion(...)`` after
             # ``self.criterion = DiceLoss()``, and
             # ``self.se(x)`` after ``self.se = SE(c) if use_se else nn.Identity()``), and so
-            # does calling an ``nn.Sequential`` that holds one (``self.tcn(x)``).
+            # does calling an ``nn.Sequential`` that holds one (``self.tcn(x)``) or an
+            # element of a container (``self.blocks[i](x)``).
             sites.extend(
                 call
-                for calls in self.names.calls_by_name.values()
-                for call in calls
-                if owner in self.names.local_classes(call.func)
-                or self._sequence_holds(call.func, owner)
+                for call in self.names.module_calls
+                if isinstance(call.func, (nodes.Name, nodes.Attribute, nodes.Subscript))
+                and (owner in self.names.local_classes(call.func)
+                     or self._sequence_holds(call.func, owner))
             )
         return sites
 
