@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -42,6 +43,9 @@ def main():
     if options.losses and rank == 0:
         with open(options.losses, "w", encoding="utf-8") as fh:
             json.dump(losses, fh)
+    # DDP's reducer holds gloo work; free it before the group goes
+    del model, optimizer
+    gc.collect()
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
