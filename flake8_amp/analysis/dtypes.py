@@ -596,12 +596,18 @@ class Dtypes:
 
     def _tensors(self, expr: nodes.NodeNG, depth: int) -> Optional[str]:
         """The one kind of the tensors in the sequence ``torch.cat``/``torch.stack`` take
-        (``[a, b]``, ``[layer(x) for layer in self.layers]``); None if they differ."""
+        (``[a, b]``, ``[layer(x) for layer in self.layers]``, a list filled by appends);
+        None if they differ."""
         if isinstance(expr, (nodes.List, nodes.Tuple)) and expr.elts:
             kinds = {self._of(element, depth) for element in expr.elts}
             return kinds.pop() if len(kinds) == 1 else None
         if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
             return self._of(expr.elt, depth)
+        if isinstance(expr, nodes.Name):  # ``heads = []`` filled by ``heads.append(head)``
+            items = self.names.list_items(expr)
+            if items:
+                kinds = {self._of(item, depth) for item in items}
+                return kinds.pop() if len(kinds) == 1 else None
         return self._of(expr, depth)
 
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:

@@ -971,7 +971,8 @@ class Names:
             parent = parent.parent
         if isinstance(parent, nodes.Call) and use is not parent.func:
             qualname = self.qualname(parent.func) or ""
-            if qualname in MODULE_CONTAINERS or self.builtin_name(parent.func) == "len":
+            if (qualname in MODULE_CONTAINERS or qualname in _LIST_READERS
+                    or self.builtin_name(parent.func) in ("len", "zip", "enumerate")):
                 return []
         return None
 
@@ -1345,6 +1346,10 @@ def bound_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     return None
 
 
+#: Torch functions that read a list of tensors whole (``torch.stack(heads, dim=2)``).
+_LIST_READERS = frozenset(
+    "torch." + name for name in "stack cat concat concatenate hstack vstack dstack".split()
+)
 #: ``nn.Module`` as a base class's qualified name.
 _MODULE_BASES = frozenset({"torch.nn.Module", "torch.nn.modules.module.Module"})
 #: Code that may run any number of times, or not at all.

@@ -1092,3 +1092,30 @@ def train_hybrid_stack(x, optimizer):
         loss = out.float().pow(2).mean() + off_diagonal.abs().sum()  # AMP004
     loss.backward()
     optimizer.step()
+
+
+# ---- heads collected in a list, stacked, then averaged ------------------------------------
+class MultiHeadAverage(nn.Module):
+    def __init__(self, dim, heads=4):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(dim, dim) for _ in range(heads)])
+
+    def forward(self, x):
+        outs, outs32 = [], []
+        for head in self.heads:
+            y = head(x)
+            outs.append(y)
+            outs32.append(y.float())
+        averaged = torch.mean(torch.stack(outs, dim=2), dim=2)  # AMP004
+        spread = torch.stack(outs32, dim=2).std(dim=2)
+        return averaged, spread
+
+
+def train_head_average(x, optimizer, scaler):
+    model = MultiHeadAverage(32).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        averaged, spread = model(x)
+        loss = averaged.float().pow(2).mean() + spread.mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
