@@ -135,7 +135,8 @@ PRESERVING: FrozenSet[str] = frozenset(
     adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d pixel_shuffle Parameter
     clamp_min clamp_max clamp_min_ clamp_max_ logsigmoid hardsigmoid softsign tanhshrink glu
     nan_to_num triu tril diagonal movedim swapaxes unbind tensor_split split_with_sizes hsplit
-    vsplit dsplit diag diag_embed diagflat take_along_dim""".split()
+    vsplit dsplit diag diag_embed diagflat take_along_dim new_zeros new_ones new_empty new_full
+    scatter scatter_ scatter_add scatter_add_ index_fill index_fill_""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(

@@ -908,8 +908,8 @@ class Names:
             if any(isinstance(e, nodes.Starred) for e in expr.elts):
                 return None
             return list(expr.elts)
-        if isinstance(expr, nodes.ListComp):
-            return [expr.elt]
+        if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
+            return [expr.elt]  # ``nn.ModuleList(Block(d) for _ in range(n))`` too
         if not isinstance(expr, nodes.Name):
             return None
         bindings = self.bindings(expr)
@@ -940,7 +940,7 @@ class Names:
         name the element its function adds last and unconditionally (``layers.append(head)``
         after a loop of appends); None otherwise."""
         items = self.list_items(expr)
-        if not items or isinstance(expr, nodes.ListComp):
+        if not items or isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
             return None
         last = items[-1]
         if isinstance(expr, (nodes.List, nodes.Tuple)):

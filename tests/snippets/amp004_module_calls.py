@@ -1119,3 +1119,37 @@ def train_head_average(x, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# ---- a ModuleList built from a generator expression; new_zeros keeps its tensor's dtype ---
+class LowRankExpert(nn.Module):
+    def __init__(self, dim, rank):
+        super().__init__()
+        self.down = nn.Linear(dim, rank)
+        self.up = nn.Linear(rank, dim)
+
+    def forward(self, x):
+        return self.up(torch.tanh(self.down(x)))
+
+
+class ExpertMix(nn.Module):
+    def __init__(self, dim, rank, experts):
+        super().__init__()
+        self.experts = nn.ModuleList(LowRankExpert(dim, rank) for _ in range(experts))
+
+    def forward(self, x):
+        outs = torch.stack([expert(x) for expert in self.experts], dim=1)
+        hard = outs.new_zeros(outs.shape).scatter_(1, outs.argmax(1, keepdim=True), 1.0)
+        counts = outs.new_zeros(outs.shape, dtype=torch.float32)
+        usage = hard.mean(0) + counts.mean(0)  # AMP004
+        return outs.mean(dim=1), usage  # AMP004
+
+
+def train_expert_mix(x, optimizer, scaler):
+    mix = ExpertMix(32, 8, 4).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        out, usage = mix(x)
+        loss = out.float().pow(2).mean() + usage.float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
