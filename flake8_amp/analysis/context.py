@@ -363,18 +363,19 @@ class GradContext:
         callee = self.names.callee(call)
         return callee is not None and not callee.instance and is_optimizer_class(callee.qualname)
 
-    def _trained_arguments(self, call: nodes.Call) -> Iterator[str]:
+    def _trained_arguments(self, call: nodes.Call, named: bool = True) -> Iterator[str]:
         """Objects ``call`` trains: the modules a ``torch.optim`` optimizer it builds steps
         (:meth:`optimized_modules`), ``m`` in any call given ``m.parameters()``
         (``optimizer_cls(m.parameters())``) but one only passing them on
-        (``filter(fn, m.parameters())``: what receives that decides), the arguments of a
-        call named for training (``train_one_epoch(m, loader)``)."""
+        (``filter(fn, m.parameters())``: what receives that decides), and with ``named``
+        the arguments of a call named for training (``train_one_epoch(m, loader)``; also a
+        frozen model handed along with the one trained: ``train(unet, controlnet, ...)``)."""
         if self.builds_optimizer(call):
             stepped = self.optimized_modules(call, frozen_too=False)
             yield from (object_key(module) for module in stepped)
         if self._passing(call) is not None:
             return
-        training = named_for_training(simple_name(call.func))
+        training = named and named_for_training(simple_name(call.func))
         for arg in call.args:
             if training or parameters_receiver(arg) is not None:
                 yield object_key(_receiver_or_itself(arg))
@@ -503,12 +504,14 @@ class GradContext:
     def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str], list]:
         """(frozen, trained) objects of ``scope``: ``m.train()`` undoes ``m.eval()`` but not
         ``m.requires_grad_(False)`` (LoRA freezes the base model and trains adapters in it);
-        an optimizer over ``m.parameters()`` or ``train_one_epoch(m)`` undoes both. Third, the
+        an optimizer over ``m.parameters()`` undoes both, ``train_one_epoch(m)`` only the
+        first (a frozen UNet is handed to ``train(unet, controlnet, ...)`` to run it). Third, the
         freezes of a branch that leaves the function (``if cfg.lora: model.requires_grad_(
         False); ...; return model``), as (its statements, objects): they hold in that branch
         only, not on the path that falls through it (``return model.to(torch.bfloat16)``)."""
         if scope not in self._frozen_objects:
             without_grad, in_eval, in_train_mode, trained = set(), set(), set(), set()
+            optimized = set()  # given to an optimizer: undoes requires_grad_(False) too
             leaving: Dict[Tuple[nodes.NodeNG, ...], set] = {}
             for node in scope_nodes(scope):
                 if _chain_call(node) and _freezes(node):
@@ -534,10 +537,11 @@ class GradContext:
                     in_train_mode.add(node.func.expr.as_string())
                 elif isinstance(node, nodes.Call):
                     trained.update(self._trained_arguments(node))
+                    optimized.update(self._trained_arguments(node, named=False))
                 elif isinstance(node, nodes.For) and _freezes_parameters(node):
                     receiver = node.iter.func.expr
                     without_grad.update({receiver.as_string(), *_loop_elements(receiver)})
-            frozen_objects = (without_grad - trained) | (in_eval - trained - in_train_mode)
+            frozen_objects = (without_grad - optimized) | (in_eval - trained - in_train_mode)
             self._frozen_objects[scope] = (
                 frozenset(frozen_objects - {""}),
                 frozenset(trained | in_train_mode),

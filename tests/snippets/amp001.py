@@ -893,3 +893,18 @@ def warm_start_actor(agent, demos, lr=1e-3):
 def export_actor(agent, path):
     exported = copy.deepcopy(agent).half()
     torch.save(exported.actor.state_dict(), path)
+
+
+# ---- a frozen model handed to the training function along with the one it trains ----------
+def train_control_branch(unet, controlnet, optimizer, loader):
+    for batch in loader:
+        controlnet(batch).float().mean().backward()
+        optimizer.step()
+
+
+def main_control(unet, controlnet, loader):
+    unet.requires_grad_(False)
+    unet.to("cuda", dtype=torch.bfloat16)
+    controlnet = controlnet.to("cuda", dtype=torch.bfloat16)  # AMP001
+    optimizer = torch.optim.AdamW(controlnet.parameters(), lr=1e-5)
+    train_control_branch(unet, controlnet, optimizer, loader)
