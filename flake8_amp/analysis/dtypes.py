@@ -500,9 +500,8 @@ class Dtypes:
         # or produces one kind whatever its input, and one must produce it.
         last = construction.args[-1]
         last = self.names.last_item(last.value) if isinstance(last, nodes.Starred) else last
-        if last is not None and not any(  # a class of the file's forward may read its input
-                self.names.construction_class(built) is not None
-                for built in self.names.constructions(last) or ()):
+        # (not a class of the file: its forward may read its input)
+        if last is not None and not self.names.local_classes(last) - {None}:
             kind = self._element_output(last, call, depth, None)
             if kind is not None:
                 return kind
@@ -687,8 +686,7 @@ class Dtypes:
                 return None
             kind = self._in_frames(self._frames, site.args[0], depth)
             for item in items:
-                if any(self.names.construction_class(built) is owner
-                       for built in self.names.constructions(item) or ()):
+                if owner in self.names.local_classes(item):
                     kinds.add(kind)
                 kind = self._element_output(item, site, depth, kind)
         return kinds.pop() if len(kinds) == 1 else None

@@ -312,19 +312,20 @@ class Names:
         code here builds, when every other such class is built in one of the classes' code (a
         model file: blocks, heads and losses, and the model they make up); None otherwise."""
         modules = [c for c in self.module_classes if self._is_module_class(c)]
-        built = {self._called_class(call) for call in self.module_calls}
-        roots = [c for c in modules if c not in built]
-        if len(roots) != 1 or any(
-                not any(_contains(owner, call) for owner in modules for call in self.module_calls
-                        if self._called_class(call) is c)
-                for c in modules if c is not roots[0]):
+        builds = [(call, self._called_class(call)) for call in self.module_calls]
+        roots = [c for c in modules if all(built is not c for _, built in builds)]
+        if len(roots) != 1:
             return None
         root = roots[0]
+        # every other module class is built in the code of one of them: a part of the model
+        if not all(any(built is c and any(owner.parent_of(call) for owner in modules)
+                       for call, built in builds)
+                   for c in modules if c is not root):
+            return None
         # a model is made of layers (a loss module of the file is no model)
-        parts = [call for call in self.module_calls if _contains(root, call)
-                 and (self._called_class(call) in modules
-                      or self._builds_layer(call))]
-        return root if parts else None
+        made_of_layers = any(root.parent_of(call) and (built in modules or self._builds_layer(call))
+                             for call, built in builds)
+        return root if made_of_layers else None
 
     def _builds_layer(self, call: nodes.Call) -> bool:
         """``nn.Linear(...)``, ``nn.Conv2d(...)``...: a ``torch.nn`` layer class."""
@@ -1372,18 +1373,10 @@ def _leaves_before(binding: nodes.NodeNG, use: nodes.NodeNG) -> bool:
         for block in (holder.body, getattr(holder, "orelse", None) or []):
             if node in block:
                 if isinstance(block[-1], (nodes.Return, nodes.Raise)) and not any(
-                        _contains(statement, use) for statement in block):
+                        statement.parent_of(use) for statement in block):
                     return True
                 break
         node = holder
-    return False
-
-
-def _contains(ancestor: nodes.NodeNG, node: nodes.NodeNG) -> bool:
-    while node is not None:
-        if node is ancestor:
-            return True
-        node = node.parent
     return False
 
 

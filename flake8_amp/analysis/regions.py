@@ -227,10 +227,9 @@ class Regions:
         for construction in names.constructions(func) or ():
             if names.qualname(getattr(construction, "func", None)) != "torch.nn.Sequential":
                 continue
-            for item in names.container_items(construction) or ():
-                built = names.constructions(item) or ()
-                if any(names.construction_class(c) is owner for c in built):
-                    return True
+            if any(owner in names.local_classes(item)
+                   for item in names.container_items(construction) or ()):
+                return True
         return False
 
     # -- what opens a region -----------------------------------------------------------
