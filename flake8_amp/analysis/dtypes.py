@@ -54,7 +54,7 @@ model from elsewhere stays unknown.
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from astroid import nodes
 
@@ -389,23 +389,13 @@ class Dtypes:
         frame = code_frame(node)
         if any(entry[0] is frame for entry in self._frames):
             return True
-        return self._callers_off(frame, set())
+        return self.regions.every_caller(frame, self._off_at, at_top=True)
 
-    def _callers_off(self, frame: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> bool:
-        if not isinstance(frame, nodes.FunctionDef) or frame in visiting:
-            return True
-        sites = self.regions.call_sites(frame)
-        if not sites:
-            return False
-        visiting.add(frame)
-        for site in sites:
-            region = self.regions.region_at(site)
-            if region is None:
-                if not self._callers_off(code_frame(site), visiting):
-                    return False
-            elif region.active:  # a caller runs it under autocast (in a region of another dtype)
-                return False
-        return True
+    def _off_at(self, call: nodes.Call) -> Optional[bool]:
+        """Autocast is off at ``call`` (in an ``enabled=False`` island), on (in an active
+        region, of whatever dtype), or as in the code the call is in (None)."""
+        region = self.regions.region_at(call)
+        return None if region is None else not region.active
 
     def _followed(
         self, function: nodes.FunctionDef, call: nodes.Call, depth: int, element: int = -1,

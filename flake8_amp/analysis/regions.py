@@ -20,7 +20,7 @@ merely named ``ctx`` is not autocast.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -175,24 +175,41 @@ class Regions:
         if with_grad:
             sites = [call for call in sites
                      if not self.context.grad.no_grad_at(call)
-                     and not self._runs_without_grad(code_frame(call), set())]
+                     and not self._runs_without_grad(code_frame(call))]
         regions = [self._region_at(call, with_grad) for call in sites]
         if regions and all(r is not None and r.active for r in regions):
             return _merged(regions)
         return None
 
-    def _runs_without_grad(self, function: nodes.NodeNG, visiting: Set[nodes.NodeNG]) -> bool:
+    def _runs_without_grad(self, function: nodes.NodeNG) -> bool:
         """Every call of ``function`` in the module runs with gradients off (``block.step``
         called only from a ``@torch.no_grad()`` generation loop); False without calls."""
+        return self.every_caller(
+            function, lambda call: True if self.context.grad.no_grad_at(call) else None,
+            at_top=False)
+
+    def every_caller(
+        self, function: nodes.NodeNG, verdict: Callable[[nodes.Call], Optional[bool]],
+        at_top: bool, _visiting: Optional[Set[nodes.NodeNG]] = None,
+    ) -> bool:
+        """Whether every call of ``function`` in the module holds by ``verdict(call)``: True
+        or False, or None for "as the code the call is in holds", asked of that code's own
+        callers in turn. ``at_top`` answers for module-level code and for a call cycle; a
+        function with no call here does not hold (callers elsewhere are unseen)."""
+        visiting = set() if _visiting is None else _visiting
         if not isinstance(function, nodes.FunctionDef) or function in visiting:
+            return at_top
+        sites = self.call_sites(function)
+        if not sites:
             return False
         visiting.add(function)
-        sites = self.call_sites(function)
-        return bool(sites) and all(
-            self.context.grad.no_grad_at(call)
-            or self._runs_without_grad(code_frame(call), visiting)
-            for call in sites
-        )
+        for site in sites:
+            holds = verdict(site)
+            if holds is None:
+                holds = self.every_caller(code_frame(site), verdict, at_top, visiting)
+            if not holds:
+                return False
+        return True
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls that run ``function`` (:meth:`Names.call_sites`; for a module's
