@@ -654,9 +654,7 @@ class Dtypes:
         """The calls of ``function`` in the module, judged as the training run: those with
         gradients on, where there are any (``decoder(z, edges)`` in the training loop, not
         in a ``no_grad`` evaluation that feeds it fp32 outside autocast)."""
-        sites = self.regions.call_sites(function)
-        training = [site for site in sites if not self.context.grad.no_grad_at(site)]
-        return training or sites
+        return self.regions.gradient_sites(function) or self.regions.call_sites(function)
 
     def _sequence_input(
         self, site: nodes.Call, owner: nodes.ClassDef, arguments: nodes.Arguments,

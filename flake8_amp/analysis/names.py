@@ -694,6 +694,8 @@ class Names:
             )
         if isinstance(expr, nodes.Subscript):
             containers = self.constructions(expr.value, depth)
+            if isinstance(expr.slice, nodes.Slice):  # ``self.layers[:-1]``: the same kind
+                return containers
             return self._elements(containers, depth) if containers else None
         if isinstance(expr, nodes.Attribute) and expr.attrname in WRAPPED_ATTRIBUTES:
             inner = self.constructions(expr.expr, depth)
@@ -703,9 +705,7 @@ class Names:
             statement = expr.statement()
             found: List[nodes.NodeNG] = []
             for binding in self.reaching_bindings(expr):
-                if binding.statement() is statement and not isinstance(
-                    binding.parent, nodes.Comprehension
-                ):
+                if binding.statement() is statement and not _comprehension_target(binding):
                     continue
                 if _is_none(assigned_value(binding)):
                     continue  # ``loss_scaler = None`` (then ``NativeScaler()`` if amp)
@@ -779,22 +779,9 @@ class Names:
             ):
                 return self._all_constructions([v.elts[index] for v in held], depth)
             return None
-        position = None
-        if isinstance(parent, nodes.Tuple) and len(parent.elts) == 2:
-            position, parent = parent.elts.index(binding), parent.parent
-        if not isinstance(parent, (nodes.For, nodes.Comprehension)):
+        iterable = self._iterated(binding)
+        if iterable is None:
             return None
-        iterable = parent.iter
-        if position is not None:
-            # ``for i, layer in enumerate(self.layers)``
-            if not (
-                isinstance(iterable, nodes.Call)
-                and self.builtin_name(iterable.func) == "enumerate"
-                and iterable.args
-                and position == 1
-            ):
-                return None
-            iterable = iterable.args[0]
         listed = self.list_items(iterable)
         if listed:  # a plain list of modules: ``[Block(d, m) for m in mixers]``
             return self._all_constructions(listed, depth)
@@ -804,6 +791,39 @@ class Names:
         ):
             return None  # iterating a ModuleDict gives its keys
         return self._elements(containers, depth)
+
+    def _iterated(self, binding: nodes.AssignName) -> Optional[nodes.NodeNG]:
+        """The sequence whose elements a loop variable takes: ``self.layers`` for ``layer`` in
+        ``for layer in self.layers``, ``for i, layer in enumerate(self.layers)``, ``for layer
+        in reversed(self.layers[1:])`` or ``for layer, shape in zip(self.layers, shapes)``;
+        None for a binding that is not a loop variable or a shape not followed."""
+        path: List[int] = []
+        node = binding
+        while isinstance(node.parent, nodes.Tuple):
+            path.insert(0, node.parent.elts.index(node))
+            node = node.parent
+        loop = node.parent
+        if not isinstance(loop, (nodes.For, nodes.Comprehension)) or loop.target is not node:
+            return None
+        iterable = loop.iter
+        while True:
+            if isinstance(iterable, nodes.Subscript) and isinstance(iterable.slice, nodes.Slice):
+                iterable = iterable.value  # a slice holds some of the same elements
+                continue
+            if not isinstance(iterable, nodes.Call) or iterable.keywords:
+                break
+            wrapper = self.builtin_name(iterable.func)
+            if wrapper in ("reversed", "list", "tuple", "iter") and len(iterable.args) == 1:
+                iterable = iterable.args[0]
+            elif wrapper == "enumerate" and iterable.args and path[:1] == [1]:
+                iterable, path = iterable.args[0], path[1:]
+            elif wrapper == "zip" and path and path[0] < len(iterable.args):
+                iterable, path = iterable.args[path[0]], path[1:]
+            else:
+                break
+        if path or any(isinstance(arg, nodes.Starred) for arg in getattr(iterable, "args", ())):
+            return None
+        return iterable
 
     def _elements(self, containers: List[nodes.NodeNG], depth: int) -> Optional[List[nodes.NodeNG]]:
         """The constructions of the modules held by module containers."""
@@ -1413,6 +1433,14 @@ def _is_super_call(expr: nodes.NodeNG) -> bool:
         and isinstance(expr.func, nodes.Name)
         and expr.func.name == "super"
     )
+
+
+def _comprehension_target(binding: nodes.AssignName) -> bool:
+    """Whether ``binding`` is (part of) a comprehension's loop variable (``for a, b in ...``)."""
+    node = binding
+    while isinstance(node.parent, nodes.Tuple):
+        node = node.parent
+    return isinstance(node.parent, nodes.Comprehension)
 
 
 def _is_none(value: Optional[nodes.NodeNG]) -> bool:

@@ -171,15 +171,18 @@ class Regions:
             (function, with_grad), lambda: self._compute_inherited(function, with_grad))
 
     def _compute_inherited(self, function: nodes.FunctionDef, with_grad: bool) -> Optional[Region]:
-        sites = self.call_sites(function)
-        if with_grad:
-            sites = [call for call in sites
-                     if not self.context.grad.no_grad_at(call)
-                     and not self._runs_without_grad(code_frame(call))]
+        sites = self.gradient_sites(function) if with_grad else self.call_sites(function)
         regions = [self._region_at(call, with_grad) for call in sites]
         if regions and all(r is not None and r.active for r in regions):
             return _merged(regions)
         return None
+
+    def gradient_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
+        """The calls of ``function`` in the module that run with gradients on: neither under
+        ``no_grad`` nor in code only ``no_grad`` code calls (a sampling loop's ``inverse``)."""
+        return [call for call in self.call_sites(function)
+                if not self.context.grad.no_grad_at(call)
+                and not self._runs_without_grad(code_frame(call))]
 
     def _runs_without_grad(self, function: nodes.NodeNG) -> bool:
         """Every call of ``function`` in the module runs with gradients off (``block.step``

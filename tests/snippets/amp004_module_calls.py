@@ -1153,3 +1153,79 @@ def train_expert_mix(x, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# ---- steps reached through zip(), reversed() and slices of their ModuleList ---------------
+class InitOnFirstBatch(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.logs = nn.Parameter(torch.zeros(1, channels, 1, 1))
+        self.register_buffer("ready", torch.tensor(False))
+
+    def forward(self, x):
+        if not self.ready:
+            with torch.no_grad():
+                spread = x.std(dim=(0, 2, 3), keepdim=True)  # AMP004
+                self.logs.data.copy_(-torch.log(spread.float() + 1e-6))
+                self.ready.fill_(True)
+        return x * torch.exp(self.logs)
+
+
+class CouplingStep(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = InitOnFirstBatch(channels)
+
+    def forward(self, x):
+        return x + self.norm(self.conv(x))
+
+    def inverse(self, y):
+        return y - self.norm(self.conv(y))
+
+
+class SampleRefiner(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x):
+        # only ever run to polish samples, without gradients
+        return x - self.conv(x).sum(dim=1, keepdim=True) / x.shape[1]
+
+
+class InvertibleStack(nn.Module):
+    def __init__(self, channels, depth):
+        super().__init__()
+        self.steps = nn.ModuleList([CouplingStep(channels) for _ in range(depth)])
+        self.gates = nn.ModuleList([nn.Conv2d(channels, channels, 1) for _ in range(depth)])
+        self.refiners = nn.ModuleList([SampleRefiner(channels) for _ in range(2)])
+
+    def forward(self, x):
+        for step, gate in zip(self.steps, self.gates):
+            x = step(x) * torch.sigmoid(gate(x))
+        return x
+
+    def forward_trunk(self, x):
+        outs = [gate(step(x)) for step, gate in zip(self.steps[:-1], self.gates[1:])]
+        return torch.stack(outs).mean(dim=0)  # AMP004
+
+    @torch.no_grad()
+    def sample(self, z):
+        for step in reversed(self.steps):
+            z = step.inverse(z)
+        for refiner in reversed(self.refiners):
+            z = refiner(z)
+        return z
+
+
+def train_invertible_stack(x, optimizer, scaler):
+    model = InvertibleStack(8, 4).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = model(x)
+        trunk = model.forward_trunk(x)
+        loss = y.float().pow(2).mean() + trunk.float().abs().mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return model.sample(torch.randn_like(x))
