@@ -637,12 +637,11 @@ class Dtypes:
                 argument = argument_for(call, arguments, parameter.name)
                 return self._in_frames(self._frames[:index], argument, depth, element)
         kinds = set()
-        owner = function.parent if function.name == "forward" else None
+        forward = function.name == "forward" and isinstance(function.parent, nodes.ClassDef)
         for site in self._training_sites(function):
-            if (isinstance(owner, nodes.ClassDef) and element < 0
-                    and owner not in self.names.local_classes(site.func)):
+            if forward and element < 0 and not self.names.may_run(site.func, function):
                 # an element of an ``nn.Sequential`` called at ``site``: fed by the one before
-                kinds.add(self._sequence_input(site, owner, arguments, parameter, depth))
+                kinds.add(self._sequence_input(site, function, arguments, parameter, depth))
             else:
                 argument = argument_for(site, arguments, parameter.name)
                 kinds.add(self._in_frames(self._frames, argument, depth, element))
@@ -657,10 +656,10 @@ class Dtypes:
         return self.regions.gradient_sites(function) or self.regions.call_sites(function)
 
     def _sequence_input(
-        self, site: nodes.Call, owner: nodes.ClassDef, arguments: nodes.Arguments,
+        self, site: nodes.Call, forward: nodes.FunctionDef, arguments: nodes.Arguments,
         parameter: nodes.AssignName, depth: int,
     ) -> Optional[str]:
-        """The kind an element of class ``owner`` of the ``nn.Sequential`` called at ``site``
+        """The kind an element running ``forward`` of the ``nn.Sequential`` called at ``site``
         gets as its input (``parameter``, the first after ``self``): the output of the
         elements before it, fed the call's input (``nn.Sequential(nn.Conv2d(...),
         LayerNorm2d(c))`` feeds the norm the convolution's output); where it is held more
@@ -674,7 +673,7 @@ class Dtypes:
                 return None
             kind = self._in_frames(self._frames, site.args[0], depth)
             for item in items:
-                if owner in self.names.local_classes(item):
+                if self.names.may_run(item, forward):
                     kinds.add(kind)
                 kind = self._element_output(item, site, depth, kind)
         return kinds.pop() if len(kinds) == 1 else None

@@ -254,20 +254,30 @@ class Names:
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its
-        class and in the subclasses that inherit it; for an ``__init__``, the calls of its
-        class (``Trainer(model, args)``)."""
-        sites = [
-            call
-            for call in self.calls_by_name.get(function.name, ())
-            if self.local_function(call) is function
-        ]
+        class and in the subclasses that inherit it, and in a base class's method that its
+        class inherits (``self._attend(q, k, v)`` in ``AxialAttentionBase.forward`` runs
+        ``TiedRowAttention._attend``); for an ``__init__``, the calls of its class
+        (``Trainer(model, args)``)."""
+        calls = self.calls_by_name.get(function.name, ())
+        sites = [call for call in calls if self.local_function(call) is function]
         owner = function.parent
-        if function.name == "__init__" and isinstance(owner, nodes.ClassDef):
+        if not isinstance(owner, nodes.ClassDef):
+            return sites
+        if function.name == "__init__":
             sites.extend(
                 call
                 for call in self.calls_by_name.get(owner.name, ())
                 if self._called_class(call) is owner
             )
+            return sites
+        bases = (self.class_mro(owner) or ())[1:]
+        for call in calls:
+            caller = code_frame(call)
+            if (call not in sites and isinstance(call.func, nodes.Attribute)
+                    and is_self(call.func.expr) and isinstance(caller, nodes.FunctionDef)
+                    and caller.parent in bases
+                    and self.method_of(owner, caller.name) is caller):
+                sites.append(call)
         return sites
 
     def parameter_call_sites(self, name: nodes.Name) -> List[nodes.Call]:
@@ -633,6 +643,12 @@ class Names:
         elsewhere."""
         return {self.construction_class(c) for c in self.constructions(expr, _depth) or ()}
 
+    def may_run(self, expr: nodes.NodeNG, method: nodes.FunctionDef) -> bool:
+        """Whether calling the object ``expr`` refers to may run ``method`` (a ``forward`` or
+        ``__call__``): an object of its class, or of a subclass that inherits it."""
+        return any(classdef is not None and self.method_of(classdef, method.name) is method
+                   for classdef in self.local_classes(expr))
+
     def _annotated_class(self, parameter: nodes.AssignName) -> Optional[nodes.ClassDef]:
         """The class of this module a parameter is annotated with (``model: Net``)."""
         arguments = parameter.parent
@@ -785,18 +801,25 @@ class Names:
         listed = self.list_items(iterable)
         if listed:  # a plain list of modules: ``[Block(d, m) for m in mixers]``
             return self._all_constructions(listed, depth)
+        mapping = None
+        if isinstance(iterable, nodes.Call) and isinstance(iterable.func, nodes.Attribute):
+            mapping, iterable = iterable.func.attrname, iterable.func.expr  # ``heads.values()``
         containers = self.constructions(iterable, depth)
-        if not containers or any(
-            self.qualname(c.func) == "torch.nn.ModuleDict" for c in containers
-        ):
-            return None  # iterating a ModuleDict gives its keys
+        if not containers:
+            return None
+        dicts = [self.qualname(getattr(c, "func", None)) == "torch.nn.ModuleDict"
+                 for c in containers]
+        # iterating a ModuleDict gives its keys; its ``values()`` and ``items()`` its modules
+        if any(dicts) if mapping is None else not (mapping in ("values", "items") and all(dicts)):
+            return None
         return self._elements(containers, depth)
 
     def _iterated(self, binding: nodes.AssignName) -> Optional[nodes.NodeNG]:
         """The sequence whose elements a loop variable takes: ``self.layers`` for ``layer`` in
         ``for layer in self.layers``, ``for i, layer in enumerate(self.layers)``, ``for layer
         in reversed(self.layers[1:])`` or ``for layer, shape in zip(self.layers, shapes)``;
-        None for a binding that is not a loop variable or a shape not followed."""
+        ``self.heads.items()`` for ``head`` in ``for name, head in self.heads.items()``; None for
+        a binding that is not a loop variable or a shape not followed."""
         path: List[int] = []
         node = binding
         while isinstance(node.parent, nodes.Tuple):
@@ -811,6 +834,12 @@ class Names:
                 iterable = iterable.value  # a slice holds some of the same elements
                 continue
             if not isinstance(iterable, nodes.Call) or iterable.keywords:
+                break
+            if isinstance(iterable.func, nodes.Attribute) and iterable.func.attrname == "items":
+                # ``for name, head in self.heads.items()``: the values (``_binding_constructions``)
+                if iterable.args or path[:1] != [1]:
+                    return None
+                path = path[1:]
                 break
             wrapper = self.builtin_name(iterable.func)
             if wrapper in ("reversed", "list", "tuple", "iter") and len(iterable.args) == 1:

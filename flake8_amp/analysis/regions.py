@@ -236,18 +236,18 @@ class Regions:
                 call
                 for call in self.names.module_calls
                 if isinstance(call.func, (nodes.Name, nodes.Attribute, nodes.Subscript))
-                and (owner in self.names.local_classes(call.func)
-                     or self._sequence_holds(call.func, owner))
+                and (self.names.may_run(call.func, function)
+                     or self._sequence_holds(call.func, function))
             )
         return sites
 
-    def _sequence_holds(self, func: nodes.NodeNG, owner: nodes.ClassDef) -> bool:
-        """``func`` is an ``nn.Sequential`` one of whose elements is an ``owner``."""
+    def _sequence_holds(self, func: nodes.NodeNG, method: nodes.FunctionDef) -> bool:
+        """``func`` is an ``nn.Sequential`` one of whose elements runs ``method``."""
         names = self.names
         for construction in names.constructions(func) or ():
             if names.qualname(getattr(construction, "func", None)) != "torch.nn.Sequential":
                 continue
-            if any(owner in names.local_classes(item)
+            if any(names.may_run(item, method)
                    for item in names.container_items(construction) or ()):
                 return True
         return False

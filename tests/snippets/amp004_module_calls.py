@@ -1229,3 +1229,38 @@ def train_invertible_stack(x, optimizer, scaler):
     scaler.step(optimizer)
     scaler.update()
     return model.sample(torch.randn_like(x))
+
+
+# ---- heads held in an nn.ModuleDict, run through items() and values() ----------------------
+class KeyedHeads(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.heads = nn.ModuleDict({"pose": nn.Linear(dim, dim), "depth": nn.Linear(dim, dim)})
+
+    def forward(self, x):
+        spread = torch.stack([head(x) for _, head in self.heads.items()]).var(dim=0)  # AMP004
+        mean = torch.stack([head(x) for head in self.heads.values()]).mean(dim=0)  # AMP004
+        names = [name for name in self.heads]
+        return spread, mean, names
+
+
+def train_keyed_heads(x, optimizer, scaler):
+    model = KeyedHeads(16).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        spread, mean, _ = model(x)
+        loss = spread.float().mean() + mean.float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+# ---- a loop over what a method of an object annotated with a class of the file returns ----
+class LayerRegistry:
+    def items(self):
+        return []
+
+
+def run_registry(registry: LayerRegistry, x):
+    for _, layer in registry.items():
+        x = layer(x)
+    return x.sum()
