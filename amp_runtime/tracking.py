@@ -12,8 +12,9 @@ per call.)
 Modules that are not running (a parameter's module in a gradient event, a submodule cast
 with ``.half()``) are named inside the root modules the guard has seen: ``guard(model=...)``,
 the outermost running module whenever the stack is read (an event, a compilation, and on the
-first watched steps the first op run inside a module: ``ModuleTracker.sight``). Never by
-searching the heap. ``torch.compile``'s wrapper is transparent: names are those of the
+first watched steps the first op run inside a module: ``ModuleTracker.sight``), and for a
+module no root holds, a model in a variable of the user's code making the call
+(``model.encoder.half()`` before the first forward). Never by searching the heap. ``torch.compile``'s wrapper is transparent: names are those of the
 compiled module, without ``_orig_mod``.
 
 The user's line is the innermost frame outside torch, this package and the training
@@ -302,7 +303,26 @@ class ModuleTracker:
                 return f"{prefix}.{path}" if prefix else path
         if stack:
             return ""  # running below a root that does not contain it: no better name
-        return next(filter(None, (_path_below(root, module) for root in self.roots())), "")
+        found = next(filter(None, (_path_below(root, module) for root in self.roots())), "")
+        return found or self._held_by_caller(module)
+
+    def _held_by_caller(self, module: torch.nn.Module) -> str:
+        """The path of ``module`` in a model a local variable of the user's innermost frame
+        holds (``model.encoder.half()`` before the model first ran, with no ``model=``): the
+        model that holds it deepest is remembered as a root."""
+        frame = sys._getframe(1)
+        while frame is not None and _code_kind(frame.f_code) != _USER:
+            frame = frame.f_back
+        best = ""
+        for value in list(frame.f_locals.values()) if frame is not None else ():
+            if isinstance(value, torch.nn.Module) and value is not module:
+                holder = unwrap_compiled(value)
+                path = _path_below(holder, module)
+                if path.count(".") >= best.count(".") and path:
+                    best, root = path, holder
+        if best:
+            self.saw_root(root)
+        return best
 
 
 def _path_below(parent: torch.nn.Module, module: torch.nn.Module) -> str:

@@ -50,9 +50,28 @@ def test_amp001_names_a_cast_submodule_by_its_path_in_a_model_seen_running():
     assert event.message.startswith("module 1.1 cast to float16")
 
 
+def test_amp001_names_a_submodule_of_a_model_never_seen_running_from_the_callers_variables():
+    """``model.encoder.half()`` before the first forward, without model=: the model is in a
+    variable of the code making the call (no heap search), and it becomes a root."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
+
+    def setup():
+        head = model[1]
+        head[1].half()
+
+    with amp_runtime.guard(policy="record", select=["AMP001"]) as g:
+        setup()
+        model[0].half()
+    assert [event.module for event in g.report.by_code("AMP001")] == ["1.1", "0"]
+
+
 def test_amp001_names_a_submodule_of_a_model_never_seen_by_its_class():
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
-    (event,) = events(lambda: model[1][1].half(), "AMP001")
+
+    def cast(layer):
+        layer.half()
+
+    (event,) = events(lambda: cast(model[1][1]), "AMP001")
     assert event.module == "Linear"
 
 
