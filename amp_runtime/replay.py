@@ -132,7 +132,7 @@ class Origin:
         """``linear in blocks.2.fc2``; ``the backward of sqrt in head``; a node that no op of
         the replay created (a custom autograd Function's) by its own name."""
         if self.phase == "backward" and self.op == self.details.get("node"):
-            return f"autograd node {self.op}"
+            return f"autograd node {self.op}" + (f" in {self.module}" if self.module else "")
         what = f"the backward of {self.op}" if self.phase == "backward" else str(self.op)
         return f"{what} in {self.module}" if self.module else what
 
@@ -393,6 +393,14 @@ class _Localizer:
             count += 1
             queue.extend(next_node for next_node, _ in node.next_functions)
 
+    def module_output(self, module, args, out) -> None:
+        """Forward hook while replaying: a node no traced op created that a module returns (a
+        custom autograd Function's, whose ``apply`` no mode sees) is that module's."""
+        for tensor in tensors_in(out):
+            node = tensor.grad_fn
+            if node is not None and node not in self.where and not _is_leaf_node(node):
+                self.where[node] = (node.name(), *self._guard.tracker.site())
+
     def backward(self, out, params: List[torch.nn.Parameter]) -> Tuple[Optional[Origin], Set[int]]:
         """Run the replayed backward from ``out``: the first non-finite node's origin, and the ids
         of the parameters whose replayed gradients are non-finite. ``.grad`` is not touched."""
@@ -433,6 +441,21 @@ class _Localizer:
                                 {"node": node.name(), "backward_from": start})
                 return origin, nonfinite
         return None, nonfinite
+
+
+@contextlib.contextmanager
+def _module_outputs_to(localizer: Optional[_Localizer], replay: "StepReplay"):
+    """Hand every module's output to ``localizer`` (a global forward hook, for the replay's
+    forward only: a steady step installs none)."""
+    if localizer is None:
+        yield
+        return
+    hook = replay.guard.containment.wrap(replay, localizer.module_output)
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _users_code(what: str, function: Callable, *args, **kwargs):
@@ -802,7 +825,7 @@ class StepReplay(Monitor):
             module = eager_module(call.module)
             set_rng_state(call.rng)
             with _autocast(call.autocast), torch.enable_grad(), _training(module, call.training):
-                with mode:
+                with mode, _module_outputs_to(localizer, self):
                     out = _users_code("forward", module, *_detached(call.args),
                                       **_detached(call.kwargs))
             if self.failure is not None:  # a handler of the replay's failed (AMP100): stop

@@ -415,6 +415,32 @@ def test_a_custom_autograd_function_is_named_by_its_node():
     assert event.details["replay"]["reproduced"] is True
 
 
+class OwnSqrt(nn.Module):
+    def forward(self, x):
+        return SqrtWithOwnBackward.apply(x.square())
+
+
+def test_a_custom_autograd_function_a_module_returns_is_named_in_that_module():
+    """The replay's mode never sees ``Function.apply``: the module whose forward returned the
+    node is where it came from."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), OwnSqrt(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp_runtime.guard(policy="record") as g:
+        for step in range(3):
+            x = torch.randn(2, 4)
+            if step == 1:  # the first layer's output is 0: sqrt's own backward divides by 0
+                x.zero_()
+                with torch.no_grad():
+                    model[0].bias.zero_()
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+            optimizer.step()
+    event = g.report.by_code("AMP103")[0]
+    assert (event.step, event.module) == (1, "1")
+    assert "first non-finite in autograd node SqrtWithOwnBackwardBackward in 1" in event.message
+
+
 def test_a_loss_returned_by_the_model_is_where_the_replayed_backward_starts():
     class WithLoss(nn.Module):
         def __init__(self):
