@@ -587,7 +587,7 @@ def test_a_compiled_model_is_replayed_on_its_eager_module(tmp_path):
 
 
 DISTRIBUTED = """
-import json, os, sys
+import gc, json, os, sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -628,6 +628,9 @@ def main(rank, world, out, communicating):
     events = [[e.code, e.step, e.module, bool(e.details.get("replayed"))] for e in g.report]
     with open(os.path.join(out, f"rank{{rank}}.json"), "w") as fh:
         json.dump({{"events": events, "outcomes": outcomes}}, fh)
+    # DDP's reducer holds gloo work; free it before the group goes
+    del model, optimizer, g
+    gc.collect()
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
