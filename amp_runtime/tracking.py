@@ -14,8 +14,9 @@ with ``.half()``) are named inside the root modules the guard has seen: ``guard(
 the outermost running module whenever the stack is read (an event, a compilation, and on the
 first watched steps the first op run inside a module: ``ModuleTracker.sight``), and for a
 module no root holds, a model in a variable of the user's code making the call
-(``model.encoder.half()`` before the first forward). Never by searching the heap. ``torch.compile``'s wrapper is transparent: names are those of the
-compiled module, without ``_orig_mod``.
+(``model.encoder.half()`` before the first forward). Never by searching the heap.
+``torch.compile``'s wrapper is transparent: names are those of the compiled module, without
+``_orig_mod``.
 
 The user's line is the innermost frame outside torch, this package and the training
 frameworks that drive the loop (Lightning, Hugging Face transformers and accelerate):

@@ -700,6 +700,9 @@ class Names:
                 isinstance(expr.func, nodes.Name) and self._called_class(expr) is not None
             ):
                 return [expr]
+            registered = self._registered(expr.func, depth)
+            if registered is not None:  # ``MODELS[cfg.arch](cfg)``
+                return registered
             # ``model = build_model(args)``, ``self.loss = self._build_loss()``: what a
             # function or method of this module returns; a parameter it returns is what this
             # call passes (``init_weights(UnetGenerator())`` returning ``net``)
@@ -736,6 +739,35 @@ class Names:
         statement = expr.statement()
         values = [v for v in values or [] if v is None or v.statement() is not statement]
         return self._all_constructions(values, depth)
+
+    def _registered(self, func: nodes.NodeNG, depth: int) -> Optional[List[nodes.NodeNG]]:
+        """What calling an entry of a registry builds: for ``MODELS[cfg.arch](...)`` with
+        ``MODELS`` bound once to a dict literal, each value's class of this module or the
+        constructions of what each builder function or lambda of this module returns; None
+        for anything else."""
+        if not isinstance(func, nodes.Subscript) or not isinstance(func.value, nodes.Name):
+            return None
+        bindings = self.bindings(func.value)
+        registry = assigned_value(bindings[0]) if len(bindings) == 1 else None
+        if not isinstance(registry, nodes.Dict) or not registry.items:
+            return None
+        built: List[nodes.NodeNG] = []
+        for _, entry in registry.items:
+            classdef = self._class_named(entry)
+            if classdef is not None:
+                built.append(classdef)
+                continue
+            if isinstance(entry, nodes.Lambda):  # ``"fno2d": lambda cfg: FNO2d(cfg.modes)``
+                returned = self.constructions(entry.body, depth)
+            else:
+                definitions = self.bindings(entry) if isinstance(entry, nodes.Name) else []
+                if len(definitions) != 1 or not isinstance(definitions[0], nodes.FunctionDef):
+                    return None
+                returned = self._all_constructions(returned_values(definitions[0]) or [], depth)
+            if returned is None:
+                return None
+            built.extend(returned)
+        return built
 
     def _passed_back(
         self, call: nodes.Call, function: nodes.FunctionDef, returned: nodes.NodeNG
@@ -786,6 +818,9 @@ class Names:
         if value is not None:  # ``criterion, spread = DINOLoss(...), KoLeoLoss()``
             return self.constructions(value, depth)
         unpacked = unpacked_value(binding)
+        if unpacked is not None and isinstance(unpacked[0], nodes.Call):
+            # ``encoder, head = build_model(args)``: a function of this module returning tuples
+            return self._all_constructions(self._binding_values(binding), depth)
         if unpacked is not None and isinstance(unpacked[0], nodes.Name):
             # ``net_g, net_d = nets`` for ``train(hps, (net_g, net_d), ...)``
             held = self.held_values(unpacked[0]) or []

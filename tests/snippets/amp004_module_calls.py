@@ -1264,3 +1264,65 @@ def run_registry(registry: LayerRegistry, x):
     for _, layer in registry.items():
         x = layer(x)
     return x.sum()
+
+
+# ---- models built through a registry dict and a builder returning a tuple ----------------
+class SpectralBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.mix = nn.Conv2d(width, width, 1)
+
+    def forward(self, x):
+        y = self.mix(x)
+        return y - y.mean(dim=(-2, -1), keepdim=True)  # AMP004
+
+
+class PressureHead(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, 3)
+
+    def forward(self, x):
+        out = self.proj(x)
+        return out - out.mean(dim=1, keepdim=True)  # AMP004
+
+
+class ScoringHead(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.score = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.score(x).std(dim=0)  # AMP004
+
+
+def make_head(width):
+    return PressureHead(width)
+
+
+OPERATORS = {
+    "spectral": SpectralBlock,
+    "pressure": make_head,
+    "small": lambda width: SpectralBlock(width // 2),
+}
+ELSEWHERE_OPERATORS = {"spectral": SpectralBlock, "external": Backbone}
+
+
+def build_operator(name, width):
+    return OPERATORS[name](width)
+
+
+def build_pair(width):
+    return build_operator("spectral", width), ScoringHead(width)
+
+
+def train_operator(x, feats, optimizer, scaler):
+    operator = build_operator("spectral", 16).cuda()
+    trunk, scorer = build_pair(16)
+    unknown = ELSEWHERE_OPERATORS["external"](16)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = operator(x).float().pow(2).mean() + scorer(feats).float().sum()
+        loss = loss + trunk(x).float().mean() + unknown(x).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
