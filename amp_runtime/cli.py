@@ -8,8 +8,9 @@
 
 ``run`` executes the unmodified script as ``__main__`` the way ``python -m cProfile``
 does: ``sys.argv`` is ``[SCRIPT, ARGS...]``, ``sys.path[0]`` is the script's folder, its
-exceptions are shown as its own and its exit code is kept. Bad arguments and missing
-files give one ``error:`` line and exit status 2, never a traceback.
+exceptions are shown as its own (last, after the guard's summary) and its exit code is kept.
+Bad arguments and missing files give one ``error:`` line and exit status 2, never a
+traceback.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import tokenize
 import traceback
 import types
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from .events import PACKAGE_DIR, GuardError
 from .html_report import REPORT_FILE, ReportError, build_report
@@ -263,7 +264,7 @@ def _run(options) -> int:
     except (ValueError, TypeError) as err:
         raise CliError(f"run: {err}") from None
     (out / REPORT_FILE).unlink(missing_ok=True)  # the logs are rewritten: it would be stale
-    status = _run_main(guard, target, target_args, as_module=options.as_module)
+    status, error = _run_main(guard, target, target_args, as_module=options.as_module)
     # a terminal's width; logs (CI) get whole messages
     width = max(100, shutil.get_terminal_size().columns) if sys.stderr.isatty() else None
     print(guard.report.summary(width=width), file=sys.stderr)
@@ -279,6 +280,8 @@ def _run(options) -> int:
                   "rebuilds the page over all ranks", file=sys.stderr)
     else:
         print(f"amp_runtime: logs in {out}{os.sep}", file=sys.stderr)
+    if error is not None:  # last, as without the guard: a log's tail shows the script's error
+        _print_user_traceback(error)
     return status
 
 
@@ -292,9 +295,11 @@ def _module_exists(name: str) -> bool:
         sys.path.pop(0)
 
 
-def _run_main(guard, target: str, args: List[str], as_module: bool) -> int:
+def _run_main(guard, target: str, args: List[str],
+              as_module: bool) -> Tuple[int, Optional[BaseException]]:
     """Run the script file or module ``target`` as ``__main__`` inside ``guard``, as
-    ``python target args`` or ``python -m target args`` would; the exit status it would have."""
+    ``python target args`` or ``python -m target args`` would: the exit status it would have,
+    and the exception that ended it (its traceback is printed after the report)."""
     saved = sys.argv[:], sys.path[0], sys.modules["__main__"]
     sys.argv[:] = [target, *args]
     try:
@@ -313,12 +318,11 @@ def _run_main(guard, target: str, args: List[str], as_module: bool) -> int:
                 code = compile(fh.read(), path, "exec")
             with guard:
                 exec(code, main.__dict__)
-        return 0
+        return 0, None
     except SystemExit as exit_:
-        return _exit_status(exit_.code)
-    except BaseException as err:  # shown as the script's own, then the report is still built
-        _print_user_traceback(err)
-        return 130 if isinstance(err, KeyboardInterrupt) else 1
+        return _exit_status(exit_.code), None
+    except BaseException as err:  # shown as the script's own once the report is built
+        return (130 if isinstance(err, KeyboardInterrupt) else 1), err
     finally:
         sys.argv[:], sys.path[0], sys.modules["__main__"] = saved
 
