@@ -28,7 +28,7 @@ A backward of a manually scaled loss (``(loss * 1024.0).backward()``) is not pla
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -237,23 +237,38 @@ class ScalerDtypeMismatch(Check):
 
     def _mentions_scaler(self, scope: nodes.NodeNG) -> bool:
         """The function uses or names a scaler (``loss_scaler``...), or a ``GradScaler`` of the
-        file can reach it."""
+        file can reach it. A name that holds only objects of this file's classes that scale
+        no loss (a data normaliser: ``self.scaler = StandardScaler(...)``) does not count."""
         analysis = scaler_analysis(self.context)
         if analysis.flow(scope).scalers or analysis.scaler_reaches(scope):
             return True
-        return any("scaler" in word.lower() for word in _identifiers(scope))
+        return any("scaler" in word.lower()
+                   for word in _identifiers(scope, skip=self._holds_no_loss_scaler))
+
+    def _holds_no_loss_scaler(self, expr: nodes.NodeNG) -> bool:
+        """``expr`` is built only by classes of this file whose code scales no loss."""
+        classes = self.context.names.local_classes(expr)
+        return bool(classes) and None not in classes and not any(
+            any(word == "scale" or "scaler" in word.lower() for word in _identifiers(classdef))
+            for classdef in classes)
 
 
-def _identifiers(node: nodes.NodeNG) -> List[str]:
-    """Every name, attribute name and imported name in ``node``."""
-    words = names_in([node])
+def _identifiers(node: nodes.NodeNG,
+                 skip: Callable[[nodes.NodeNG], bool] = lambda expr: False) -> List[str]:
+    """Every name, attribute name and imported name in ``node``; a name or attribute for
+    which ``skip`` holds gives none (its parts still count)."""
+    words = []
     for sub in node.nodes_of_class(
-        (nodes.AssignName, nodes.AssignAttr, nodes.Import, nodes.ImportFrom)
+        (nodes.Name, nodes.Attribute, nodes.AssignName, nodes.AssignAttr, nodes.Import,
+         nodes.ImportFrom)
     ):
         if isinstance(sub, (nodes.Import, nodes.ImportFrom)):
             words.extend(name for pair in sub.names for name in pair if name)
+        elif isinstance(sub, (nodes.Name, nodes.Attribute)) and skip(sub):
+            continue
         else:
-            words.append(sub.name if isinstance(sub, nodes.AssignName) else sub.attrname)
+            words.append(sub.name if isinstance(sub, (nodes.Name, nodes.AssignName))
+                         else sub.attrname)
     return words
 
 
