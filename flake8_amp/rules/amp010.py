@@ -28,7 +28,7 @@ A backward of a manually scaled loss (``(loss * 1024.0).backward()``) is not pla
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from astroid import nodes
 
@@ -243,33 +243,30 @@ class ScalerDtypeMismatch(Check):
         if analysis.flow(scope).scalers or analysis.scaler_reaches(scope):
             return True
         return any("scaler" in word.lower()
-                   for word in _identifiers(scope, skip=self._holds_no_loss_scaler))
+                   and not (isinstance(node, (nodes.Name, nodes.Attribute))
+                            and self._holds_no_loss_scaler(node))
+                   for word, node in _identifiers(scope))
 
     def _holds_no_loss_scaler(self, expr: nodes.NodeNG) -> bool:
         """``expr`` is built only by classes of this file whose code scales no loss."""
         classes = self.context.names.local_classes(expr)
         return bool(classes) and None not in classes and not any(
-            any(word == "scale" or "scaler" in word.lower() for word in _identifiers(classdef))
-            for classdef in classes)
+            word == "scale" or "scaler" in word.lower()
+            for classdef in classes for word, _ in _identifiers(classdef))
 
 
-def _identifiers(node: nodes.NodeNG,
-                 skip: Callable[[nodes.NodeNG], bool] = lambda expr: False) -> List[str]:
-    """Every name, attribute name and imported name in ``node``; a name or attribute for
-    which ``skip`` holds gives none (its parts still count)."""
-    words = []
+def _identifiers(node: nodes.NodeNG) -> Iterator[Tuple[str, nodes.NodeNG]]:
+    """Every name, attribute name and imported name in ``node``, with the node naming it."""
     for sub in node.nodes_of_class(
         (nodes.Name, nodes.Attribute, nodes.AssignName, nodes.AssignAttr, nodes.Import,
          nodes.ImportFrom)
     ):
         if isinstance(sub, (nodes.Import, nodes.ImportFrom)):
-            words.extend(name for pair in sub.names for name in pair if name)
-        elif isinstance(sub, (nodes.Name, nodes.Attribute)) and skip(sub):
-            continue
+            yield from ((name, sub) for pair in sub.names for name in pair if name)
+        elif isinstance(sub, (nodes.Name, nodes.AssignName)):
+            yield sub.name, sub
         else:
-            words.append(sub.name if isinstance(sub, (nodes.Name, nodes.AssignName))
-                         else sub.attrname)
-    return words
+            yield sub.attrname, sub
 
 
 def _fp16_choice(region: Region) -> Optional[Region]:
