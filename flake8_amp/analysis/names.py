@@ -855,13 +855,8 @@ class Names:
         in reversed(self.layers[1:])`` or ``for layer, shape in zip(self.layers, shapes)``;
         ``self.heads.items()`` for ``head`` in ``for name, head in self.heads.items()``; None for
         a binding that is not a loop variable or a shape not followed."""
-        path: List[int] = []
-        node = binding
-        while isinstance(node.parent, nodes.Tuple):
-            path.insert(0, node.parent.elts.index(node))
-            node = node.parent
-        loop = node.parent
-        if not isinstance(loop, (nodes.For, nodes.Comprehension)) or loop.target is not node:
+        loop, path = _loop_of(binding)
+        if loop is None:
             return None
         iterable = loop.iter
         while True:
@@ -1499,12 +1494,24 @@ def _is_super_call(expr: nodes.NodeNG) -> bool:
     )
 
 
-def _comprehension_target(binding: nodes.AssignName) -> bool:
-    """Whether ``binding`` is (part of) a comprehension's loop variable (``for a, b in ...``)."""
+def _loop_of(binding: nodes.AssignName) -> Tuple[Optional[nodes.NodeNG], List[int]]:
+    """The ``for`` loop or comprehension whose variable ``binding`` is (part of), and where
+    in the unpacked target it sits (``[1, 0]`` for ``b`` in ``for i, (b, c) in ...``); None
+    for a binding that is no loop variable."""
+    path: List[int] = []
     node = binding
     while isinstance(node.parent, nodes.Tuple):
+        path.insert(0, node.parent.elts.index(node))
         node = node.parent
-    return isinstance(node.parent, nodes.Comprehension)
+    loop = node.parent
+    if not isinstance(loop, (nodes.For, nodes.Comprehension)) or loop.target is not node:
+        return None, path
+    return loop, path
+
+
+def _comprehension_target(binding: nodes.AssignName) -> bool:
+    """Whether ``binding`` is (part of) a comprehension's loop variable (``for a, b in ...``)."""
+    return isinstance(_loop_of(binding)[0], nodes.Comprehension)
 
 
 def _is_none(value: Optional[nodes.NodeNG]) -> bool:

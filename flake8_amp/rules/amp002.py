@@ -369,9 +369,7 @@ class LossOutsideAutocast(Check):
 def _names(expr: Optional[nodes.NodeNG], name: str) -> bool:
     """``expr`` is the variable ``name``, or a slice of it (``est[:, i]``; not an entry of a
     dict, ``targets["labels"]``, which is another tensor)."""
-    while isinstance(expr, nodes.Subscript) and not (
-        isinstance(expr.slice, nodes.Const) and isinstance(expr.slice.value, str)
-    ):
+    while isinstance(expr, nodes.Subscript) and not _is_string(expr.slice):
         expr = expr.value
     return isinstance(expr, nodes.Name) and expr.name == name
 
