@@ -264,11 +264,20 @@ class Dtypes:
                 return self.constant(values[0])
         return None
 
+    def named_kind(self, expr: Optional[nodes.NodeNG], _depth: int = 0) -> Optional[str]:
+        """The kind a dtype expression names: a constant (:meth:`constant`) or another
+        tensor's ``.dtype`` (``x.to(h.dtype)``, ``torch.zeros(n, dtype=x.dtype)``)."""
+        kind = self.constant(expr)
+        if kind is None and isinstance(expr, nodes.Attribute) and expr.attrname == "dtype":
+            return self._of(expr.expr, _depth)
+        return kind
+
     def cast_target(self, call: nodes.Call, _depth: int = 0) -> Optional[str]:
         """The kind a conversion converts to: ``.half()``, ``.to(torch.float16)``, ``.to(device,
         dtype=HALF)``, ``.type("torch.cuda.HalfTensor")``, ``.to(other)`` / ``.type_as(other)``
-        for a tensor of known dtype; None for moves (``.to(device)``) and other calls. The
-        dtype flow passes its depth (``other``'s dtype is part of the query it is in)."""
+        / ``.to(other.dtype)`` for a tensor of known dtype; None for moves (``.to(device)``)
+        and other calls. The dtype flow passes its depth (``other``'s dtype is part of the
+        query it is in)."""
         method, receiver = method_call(call)
         if receiver is None:
             return None
@@ -280,11 +289,11 @@ class Dtypes:
             return self._of(call.args[0], _depth) if len(call.args) == 1 else None
         dtype = keyword_value(call, "dtype") or keyword_value(call, "dst_type")
         if dtype is not None:
-            return self.constant(dtype)
+            return self.named_kind(dtype, _depth)
         for arg in call.args:
             if method == "to" and isinstance(arg, nodes.Const):
                 continue  # strings given to ``.to`` are devices
-            kind = self.constant(arg)
+            kind = self.named_kind(arg, _depth)
             if kind is None and method == "to" and not _is_device(arg):
                 kind = self._of(arg, _depth)  # ``x.to(other)``: other's dtype (and device)
             if kind is not None:
@@ -846,7 +855,7 @@ class Dtypes:
         return unpacked is not None and _is_shape(unpacked[0])
 
     def _call(self, call: nodes.Call, depth: int) -> Optional[str]:
-        explicit = self.constant(keyword_value(call, "dtype"))
+        explicit = self.named_kind(keyword_value(call, "dtype"), depth)
         if explicit is not None:
             return explicit
         func = call.func

@@ -57,6 +57,7 @@ class ManualCast(Check):
             self._round_trip(node)
             or _in_cast_definition(node)
             or _self_cast(func)
+            or _to_tensor_dtype(node)
             or self._user_method(func)
             or self._behind_precision_flag(node)
             or self._checkpoint_copy(node, func)
@@ -204,6 +205,13 @@ def _self_cast(func: nodes.Attribute) -> bool:
     if isinstance(receiver, nodes.Call) and simple_name(receiver.func) == "super":
         return True
     return is_self(receiver)
+
+
+def _to_tensor_dtype(node: nodes.Call) -> bool:
+    """``mask.to(x.dtype)``: matching another tensor's dtype, whatever it is at run time."""
+    dtype = keyword_value(node, "dtype")
+    arguments = [dtype] if dtype is not None else node.args
+    return any(isinstance(a, nodes.Attribute) and a.attrname == "dtype" for a in arguments)
 
 
 def _identifier_words(expr: nodes.NodeNG):

@@ -42,7 +42,7 @@ class LowPrecisionReduce(Check):
         kind = self.context.dtypes.of(op_input)
         if not is_low(kind) or (kind == BF16 and self._chosen_bf16(op_input)):
             return
-        region = self.context.regions.autocast_at(node)
+        region = self.context.dtypes.region_at(node)  # the training run's, as for ``kind``
         if region is not None and autocast_fp32_op(op, region):
             return
         if region is None and self._in_loss_definition(node):

@@ -191,9 +191,7 @@ class Fp16OverflowLiteral(Check):
     ) -> bool:
         dtypes = self.context.dtypes
         if dtype_node is not None:
-            kind = dtypes.constant(dtype_node)
-            if kind is None and _dtype_owner(dtype_node) is not None:
-                kind = dtypes.of(_dtype_owner(dtype_node))
+            kind = dtypes.named_kind(dtype_node)
         elif target is None:
             kind = FP32  # ``torch.full`` without ``dtype=`` uses the default dtype
         else:

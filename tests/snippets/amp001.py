@@ -496,6 +496,17 @@ def train_to_runtime_dtype(model, loader, optimizer, weight_dtype):
         optimizer.step()
 
 
+def train_matching_activation_dtype(model, mask_emb, loader, optimizer):
+    for x, mask in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            h = torch.zeros(x.shape, dtype=torch.float16, device=x.device)
+            h[mask] = mask_emb.to(h.dtype)
+            h = h * mask.unsqueeze(-1).to(dtype=h.dtype)
+            loss = model.head(h).float().mean()
+        loss.backward()
+        optimizer.step()
+
+
 def train_and_save_half_copy(model, loader, optimizer, path):
     for x, y in loader:
         model(x, y).backward()

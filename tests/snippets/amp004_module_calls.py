@@ -1326,3 +1326,50 @@ def train_operator(x, feats, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# Casts to another tensor's dtype keep it (``.to(h.dtype)``, ``dtype=x.dtype``).
+class NormalizedDownsample(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, stride=2, padding=1)
+
+    def forward(self, x, lengths):
+        h = self.conv(x)
+        sd = h.float().std(dim=-1, keepdim=True).to(h.dtype)
+        return h / (sd + 1e-3), (lengths + 1) // 2
+
+
+def spread(h):
+    return h.var(dim=1)  # AMP004
+
+
+class SequenceEncoder(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.down = NormalizedDownsample(dim)
+        self.style = nn.Linear(dim, dim)
+
+    def forward(self, x, lengths, mask):
+        h, lengths = self.down(x, lengths)
+        keep = mask.unsqueeze(1).to(h.dtype)
+        pooled = (h * keep).sum(-1) / keep.sum(-1)  # CUDA autocast runs sum in fp32
+        weights = torch.ones(h.shape[-1], dtype=h.dtype, device=h.device)
+        centred = h - (h * weights).mean(dim=-1, keepdim=True)  # AMP004
+        return self.style(spread(centred) + pooled)
+
+
+def train_sequence_encoder(x, lengths, mask, optimizer, scaler):
+    encoder = SequenceEncoder(8).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = encoder(x, lengths, mask).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    evaluate_sequence_encoder(encoder, x, lengths, mask)
+
+
+@torch.no_grad()
+def evaluate_sequence_encoder(encoder, x, lengths, mask):
+    """Outside autocast: the encoder's ``sum`` above is judged as the training run's."""
+    return encoder(x, lengths, mask).float().mean()
