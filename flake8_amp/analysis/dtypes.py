@@ -54,7 +54,7 @@ model from elsewhere stays unknown.
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from astroid import nodes
 
@@ -407,14 +407,15 @@ class Dtypes:
         return None if region is None else not region.active
 
     def _followed(
-        self, function: nodes.FunctionDef, call: nodes.Call, depth: int, element: int = -1,
-        first_input: object = FROM_CALL,
+        self, function: nodes.FunctionDef, call: nodes.Call, depth: int,
+        element: Union[int, str] = -1, first_input: object = FROM_CALL,
     ) -> Optional[str]:
         """The kind ``function`` returns when ``call`` runs it (a module's ``forward``, a
         function of this module), in the region ``call`` runs in -- or, with ``element``, the
         kind of that element of what it returns (``out, hs = decode(h)``; also through a
         returned call, ``return self.head(x)`` of a head returning ``logits, z``); None if
-        unknown, for recursion, or beyond :data:`_MAX_FRAMES` calls deep. ``first_input``:
+        unknown, for recursion, or beyond :data:`_MAX_FRAMES` calls deep; with a field name,
+        that field of the record it returns (:meth:`_field`). ``first_input``:
         the kind the first parameter takes instead of ``call``'s argument."""
         returns = returned_values(function)
         if not returns or len(self._frames) >= _MAX_FRAMES:
@@ -425,13 +426,17 @@ class Dtypes:
         saved = self._frames
         self._frames = saved + ((function, region, call, first_input),)
         try:
-            kinds = {
-                self._of(value, depth) if element < 0 else self._element(value, element, depth)
-                for value in returns
-            }
+            kinds = {self._returned(value, element, depth) for value in returns}
         finally:
             self._frames = saved
         return kinds.pop() if len(kinds) == 1 else None
+
+    def _returned(self, value: nodes.NodeNG, element: Union[int, str], depth: int) -> Optional[str]:
+        """The kind of a returned ``value``, of its element ``element`` (an index), or of
+        its field (a name)."""
+        if isinstance(element, str):
+            return self._field(value, element, depth)
+        return self._of(value, depth) if element < 0 else self._element(value, element, depth)
 
     def _forward_called(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
         """The ``forward`` (or ``__call__``) that calling an object of a class of this module
@@ -541,6 +546,12 @@ class Dtypes:
             return self._of(expr.value, depth)
         if isinstance(expr, nodes.Attribute) and expr.attrname in SAME_DTYPE_ATTRIBUTES:
             return self._of(expr.expr, depth)
+        if (
+            isinstance(expr, nodes.Attribute)
+            and expr.attrname in self.names.record_field_names
+            and not is_self(expr.expr)
+        ):
+            return self._field(expr.expr, expr.attrname, depth)
         if isinstance(expr, nodes.Attribute) and is_self(expr.expr):
             # ``self.model`` after ``self.model = model.half()``: every method must agree. In
             # ``self.queue = F.normalize(self.queue)`` the right-hand ``self.queue`` is the
@@ -733,6 +744,9 @@ class Dtypes:
                 return self._parameter_kind(bindings[0], depth, element=index)
         if not isinstance(value, nodes.Call):
             return self._of(value, depth)
+        fields = self.names.record_fields(value.func)
+        if fields is not None:  # ``logits, value, h = agent(obs)`` of a namedtuple's fields
+            return self._field(value, fields[index], depth) if index < len(fields) else None
         function = self.names.local_function(value) or self._forward_called(value)
         if function is not None:
             element = self._followed(function, value, depth, element=index)
@@ -751,6 +765,27 @@ class Dtypes:
         ):
             return None  # ``out, idx = F.max_pool2d(x, 2, return_indices=True)``
         return self._of(value, depth)
+
+    def _field(self, value: nodes.NodeNG, field: str, depth: int) -> Optional[str]:
+        """The kind of the field ``field`` of the record ``value`` holds: ``out.value`` for
+        ``out = agent(obs)`` whose ``forward`` returns ``PolicyOutput(logits, value, h)`` (a
+        record type of this module, :meth:`Names.record_fields`)."""
+        if self._too_deep(depth):
+            return None
+        if isinstance(value, nodes.Name):
+            kinds = set()
+            for binding in self.names.earlier_bindings(value):
+                assigned = assigned_value(binding)
+                kinds.add(self._field(assigned, field, depth + 1) if assigned is not None else None)
+            return kinds.pop() if len(kinds) == 1 else None
+        if not isinstance(value, nodes.Call):
+            return None
+        fields = self.names.record_fields(value.func)
+        if fields is not None:
+            argument = _record_argument(value, fields, field)
+            return self._of(argument, depth) if argument is not None else None
+        function = self.names.local_function(value) or self._forward_called(value)
+        return self._followed(function, value, depth, element=field) if function else None
 
     def _binop(self, expr: nodes.BinOp, depth: int) -> Optional[str]:
         if expr.op == "@":
@@ -947,6 +982,18 @@ def _module_parts(module: nodes.NodeNG) -> List[nodes.NodeNG]:
             parts.append(current.value)
         else:
             return parts
+
+
+def _record_argument(call: nodes.Call, fields: List[str], field: str) -> Optional[nodes.NodeNG]:
+    """What the construction ``call`` of a record type passes to ``field``."""
+    value = keyword_value(call, field)
+    if value is not None or field not in fields:
+        return value
+    index = fields.index(field)
+    positional = call.args[: index + 1]
+    if index < len(call.args) and not any(isinstance(a, nodes.Starred) for a in positional):
+        return call.args[index]
+    return None
 
 
 def _is_shape(expr: nodes.NodeNG) -> bool:

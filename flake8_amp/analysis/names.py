@@ -50,6 +50,10 @@ _RETURNS_SELF = frozenset(
      "bfloat16", "float", "double"}
 )
 
+#: Record types a model's outputs come in (:meth:`Names.record_fields`).
+_RECORD_BASES = frozenset({"typing.NamedTuple"})
+_RECORD_FACTORIES = frozenset({"collections.namedtuple", "typing.NamedTuple"})
+
 #: ``nn.Module`` methods that bind ``self.<name>`` to a value: (method, value's keyword).
 REGISTER_METHODS = {"register_buffer": "tensor", "register_parameter": "param"}
 
@@ -1055,6 +1059,63 @@ class Names:
                     or self.builtin_name(parent.func) in ("len", "zip", "enumerate")):
                 return []
         return None
+
+    # -- records ---------------------------------------------------------------------
+
+    def record_fields(self, func: nodes.NodeNG) -> Optional[List[str]]:
+        """The fields, in order, of the record type of this module ``func`` names: a
+        ``namedtuple("Out", ["logits", "value"])``, a ``typing.NamedTuple`` class or a
+        ``@dataclass`` (a model's outputs); None for anything else."""
+        if not isinstance(func, nodes.Name):
+            return None
+        found = [self._fields_of(binding) for binding in self.bindings(func)]
+        return found[0] if len(found) == 1 else None
+
+    @functools.cached_property
+    def record_field_names(self) -> FrozenSet[str]:
+        """Every field name of the module's record types: ``out.logits`` may read one."""
+        module = self.context.module
+        definitions = [*module.nodes_of_class(nodes.ClassDef), *module.nodes_of_class(nodes.Assign)]
+        return frozenset(
+            name for definition in definitions for name in self._fields_of(definition) or ()
+        )
+
+    def _fields_of(self, binding: nodes.NodeNG) -> Optional[List[str]]:
+        if isinstance(binding, nodes.AssignName):
+            binding = binding.parent
+        if isinstance(binding, nodes.ClassDef):
+            if not binding.bases and not binding.decorators:
+                return None
+            record = any(self.qualname(base) in _RECORD_BASES for base in binding.bases) or any(
+                self.qualname(getattr(d, "func", d)) == "dataclasses.dataclass"
+                for d in (binding.decorators.nodes if binding.decorators else ())
+            )
+            if not record:
+                return None
+            return [
+                statement.target.name for statement in binding.body
+                if isinstance(statement, nodes.AnnAssign)
+                and isinstance(statement.target, nodes.AssignName)
+            ]
+        value = binding.value if isinstance(binding, nodes.Assign) else None
+        if not isinstance(value, nodes.Call) or len(value.args) < 2:
+            return None
+        if simple_name(value.func) not in ("namedtuple", "NamedTuple"):
+            return None  # cheap test before name resolution
+        if self.qualname(value.func) not in _RECORD_FACTORIES:
+            return None
+        fields = value.args[1]
+        if isinstance(fields, nodes.Const) and isinstance(fields.value, str):
+            return fields.value.replace(",", " ").split()
+        if not isinstance(fields, (nodes.List, nodes.Tuple)):
+            return None
+        names = [
+            field.elts[0] if isinstance(field, nodes.Tuple) and field.elts else field
+            for field in fields.elts
+        ]  # ``NamedTuple("Out", [("logits", Tensor)])`` names its fields in pairs
+        if not all(isinstance(n, nodes.Const) and isinstance(n.value, str) for n in names):
+            return None
+        return [n.value for n in names]
 
     def _called_class(self, call: nodes.Call) -> Optional[nodes.ClassDef]:
         """The class of this module that ``call`` (``Net(...)``) instantiates."""

@@ -1,7 +1,9 @@
 # AMP004 through module calls: the output of a module whose construction is known in this file.
 import argparse
+from collections import namedtuple
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -1373,3 +1375,56 @@ def train_sequence_encoder(x, lengths, mask, optimizer, scaler):
 def evaluate_sequence_encoder(encoder, x, lengths, mask):
     """Outside autocast: the encoder's ``sum`` above is judged as the training run's."""
     return encoder(x, lengths, mask).float().mean()
+
+
+# A model's outputs in a record type of the file: a namedtuple, a NamedTuple, a dataclass.
+PolicyOutput = namedtuple("PolicyOutput", ["logits", "value", "hidden"])
+
+
+class HeadOutputs(NamedTuple):
+    embedding: torch.Tensor
+    scores: torch.Tensor
+
+
+@dataclass
+class Prediction:
+    depth: torch.Tensor
+    confidence: torch.Tensor
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.torso = nn.Linear(dim, dim)
+        self.actor = nn.Linear(dim, 4)
+        self.critic = nn.Linear(dim, 1)
+
+    def forward(self, obs):
+        h = self.torso(obs)
+        return PolicyOutput(self.actor(h), self.critic(h).squeeze(-1), h.float())
+
+    def heads(self, obs):
+        h = self.torso(obs)
+        return HeadOutputs(embedding=self.actor(h), scores=self.critic(h).float())
+
+    def predict(self, obs):
+        out = Prediction(confidence=self.critic(obs).float(), depth=self.actor(obs))
+        return out
+
+
+def train_actor_critic(obs, optimizer, scaler, settings):
+    agent = ActorCritic(8).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = agent(obs)
+        value_mean = out.value.mean()  # AMP004
+        hidden_mean = out.hidden.mean()  # fp32: cast in forward
+        logits, _, hidden = agent(obs)
+        spread = logits.std() + hidden.std()  # AMP004
+        heads = agent.heads(obs)
+        loss = heads.embedding.var() + heads.scores.var()  # AMP004
+        prediction = agent.predict(obs)
+        loss = loss + prediction.depth.mean() + prediction.confidence.mean()  # AMP004
+        loss = loss + settings.value.mean()  # not a record of the file
+    scaler.scale(loss + value_mean + hidden_mean + spread).backward()
+    scaler.step(optimizer)
+    scaler.update()
