@@ -148,9 +148,11 @@ class DeprecatedAmpApi(Check):
 
 
 def _is_modern(qualname: Optional[str]) -> bool:
-    """``torch.amp``, anything in it, or ``torch.autocast``."""
+    """``torch.amp``, anything in it, or its aliases ``torch.autocast`` and
+    ``torch.GradScaler``."""
     return qualname is not None and (
-        qualname.startswith("torch.amp.") or qualname in ("torch.amp", "torch.autocast")
+        qualname.startswith("torch.amp.")
+        or qualname in ("torch.amp", "torch.autocast", "torch.GradScaler")
     )
 
 

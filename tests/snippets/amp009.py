@@ -5,6 +5,7 @@ import torch
 import torch.cuda.amp
 import torch.cuda.amp as cuda_amp
 import torch_npu
+from packaging import version
 from torch.cuda import amp
 from torch.cuda.amp import GradScaler, autocast
 from torch.cuda.amp import custom_bwd as old_custom_bwd
@@ -269,6 +270,13 @@ def train_with_modern_default(model, loader, scaler=torch.amp.GradScaler("cuda")
 
 def scaler_for_torch_version(new_api):
     return torch.amp.GradScaler("cuda") if new_api else torch.cuda.amp.GradScaler()
+
+
+def speechbrain_scaler(device, enabled):
+    if version.parse(torch.__version__) < version.parse("2.4.0"):
+        return torch.cuda.amp.GradScaler(enabled=enabled)
+    else:
+        return torch.GradScaler(device, enabled=enabled)  # the top-level alias of torch.amp's
 
 
 def checks_either_scaler_class(obj):
