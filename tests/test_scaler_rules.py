@@ -168,6 +168,49 @@ def test_one_scaler_stepping_two_optimizers_in_turn_is_not_amp006():
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_generator_stepped_directly_after_the_scaled_discriminator_step_is_amp006(set_to_none):
+    """One scaler; the discriminator goes through ``scaler.step``, the generator's optimizer,
+    which the scaler never sees, steps on the gradients of a scaled backward."""
+    generator, g_opt = setup(0)
+    discriminator, d_opt = setup(1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        d_opt.zero_grad(set_to_none=set_to_none)
+        scaler.scale(forward_loss(discriminator)).backward()
+        scaler.step(d_opt)
+        g_opt.zero_grad(set_to_none=set_to_none)
+        scaler.scale(forward_loss(generator)).backward()
+        g_opt.step()  # noqa: AMP006 - steps on gradients multiplied by the scale
+        scaler.update()
+
+    events = run(loop, steps=4).report.by_code("AMP006")
+    assert [e.step for e in events] == [0, 1, 2, 3]
+    assert "runs on gradients GradScaler scaled" in events[0].message
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_second_model_trained_in_fp32_beside_the_scaled_one_is_not_amp006(set_to_none):
+    """A linear probe trained in fp32 with a plain backward and step while the main model's
+    scaled backward waits for ``scaler.step``: its gradients were never scaled."""
+    model, opt = setup(0)
+    probe, probe_opt = setup(1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        opt.zero_grad(set_to_none=set_to_none)
+        scaler.scale(forward_loss(model)).backward()
+        probe_opt.zero_grad(set_to_none=set_to_none)
+        probe(torch.randn(16, 8)).pow(2).mean().backward()
+        probe_opt.step()
+        scaler.step(opt)
+        scaler.update()
+
+    g = run(loop, steps=4)
+    assert g.report.by_code("AMP006") == []
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_new_iteration_after_scaler_step_without_update_is_amp006(set_to_none):
     model, opt = setup()
     scaler = torch.amp.GradScaler("cpu")
