@@ -26,7 +26,7 @@ every weight), goes unexplained. Instead, the step is re-run:
   module and source line for that step. When the gradients are non-finite but the forward is
   finite, the replay also runs a backward with a hook on every autograd node (see
   ``_Localizer``), and AMP103 names the layer whose backward first turned finite gradients
-  non-finite.
+  non-finite (for a step a GradScaler skipped, AMP107/AMP108 name it: nothing else would).
 * Restore. RNG states, buffers (BatchNorm statistics) and training flags are put back; ``.grad``
   is never touched (the replayed backward uses ``torch.autograd.grad``). The user's run goes on
   bit-identical.
@@ -64,6 +64,10 @@ from .monitors.grads import l2_norms, listing, nonfinite_gradients
 from .monitors.scaler import SKIPPED
 from .readings import Readings
 from .tracking import CALL_IMPL_CODE, NOWHERE, Location, format_location, op_name, unwrap_compiled
+
+#: The codes whose findings name where a replayed step's gradients turned non-finite, by what
+#: asked for the replay: AMP103 itself, or a skipped step's loss-scale codes.
+_LOCALIZED_FOR = {"AMP103": ("AMP103",), SKIPPED: ("AMP107", "AMP108")}
 
 #: Root-module calls kept per step (gradient accumulation calls the model once per micro-step);
 #: beyond it the oldest are dropped.
@@ -149,6 +153,15 @@ class Outcome:
     #: The replayed backward reproduced exactly the parameters whose gradients were non-finite.
     reproduced: Optional[bool] = None
     bundle: Optional[str] = None
+
+    def cause(self) -> Optional[Origin]:
+        """Where the step's non-finite values came from, where the replay established it: a
+        forward op AMP101 named, or a backward that reproduced which gradients were
+        non-finite."""
+        origin = self.origin
+        if origin is None or (origin.phase == "backward" and not self.reproduced):
+            return None
+        return origin
 
     def to_json(self) -> Dict[str, Any]:
         return {"step": self.step, "triggers": list(self.triggers),
@@ -733,8 +746,8 @@ class StepReplay(Monitor):
         the step's live trace or its replay found it (otherwise as given)."""
         outcome = self.outcome_of(step)
         origin = self._forward_causes.get(step)
-        if origin is None and outcome is not None and outcome.reproduced:
-            origin = outcome.origin
+        if origin is None and outcome is not None:
+            origin = outcome.cause()
         details = dict(kwargs.get("details") or {})
         if outcome is not None:
             details["replay"] = outcome.to_json()
@@ -785,7 +798,9 @@ class StepReplay(Monitor):
             outcome.origin = self._forward_causes[outcome.step]
             return
         trace = guard.enabled("AMP101") and any(not call.traced for call in calls)
-        localize = "AMP103" in outcome.triggers and guard.enabled("AMP103")
+        # a skipped step's gradients are non-finite too: their origin explains the scale's fall
+        localize = any(guard.enabled(code) for trigger in outcome.triggers
+                       for code in _LOCALIZED_FOR.get(trigger, ()))
         if not trace and not localize:
             return
         modules = list(dict.fromkeys(eager_module(call.module) for call in calls))

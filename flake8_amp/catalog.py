@@ -296,8 +296,8 @@ _RULES: Tuple[Rule, ...] = (
     ),
     _rule(
         "AMP107", "loss-scale-collapse", "P0", (RUNTIME,),
-        "loss scale collapsed to {scale:g} and is not rising",
-        "fix the op the replay names (AMP101); trace='always' traces every step",
+        "loss scale collapsed to {scale:g} and is not rising{cause}",
+        "fix the op the replay names; trace='always' traces every step",
         "loss scale at or below 1 and not recovering",
         """GradScaler halves the scale on every overflow. At a scale of 1 or less,
         every step still overflows: no step is taken and training has stalled.""",
@@ -307,8 +307,8 @@ _RULES: Tuple[Rule, ...] = (
     ),
     _rule(
         "AMP108", "loss-scale-decline", "P1", (RUNTIME,),
-        "loss scale fell to {scale:g} ({reason})",
-        "repeated overflows: look for AMP101/AMP102 events",
+        "loss scale fell to {scale:g} ({reason}){cause}",
+        "repeated overflows: look for the op the replay names and AMP101/AMP102 events",
         "loss scale declining",
         """Five consecutive decreases, a scale below 1/100 of its initial value, or
         below 128 and falling means overflows keep happening and the scale is on its

@@ -121,6 +121,43 @@ def test_every_backward_overflowing_declines_then_collapses_the_scale():
     assert not g.report.by_code("AMP104") and not g.report.by_code("AMP109")
 
 
+class FlooredNet(torch.nn.Module):
+    """A scalar kept non-negative through ``sqrt``: at 0 its derivative is inf on every step,
+    whatever the loss scale, while the forward stays finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 1)
+        self.floor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.fc(x) + self.floor.sqrt()  # the backward-only fault
+
+
+def test_a_backward_only_fault_skipping_every_step_is_named_by_the_scale_events():
+    """No AMP101 (the forward is finite) and no AMP103 (the scaler catches every inf): the
+    replay of the first skipped step names the op, and AMP108/AMP107 carry it."""
+    torch.manual_seed(0)
+    model = FlooredNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_runtime.guard(policy="record") as g:
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    fault_line = f"{__file__}:{FlooredNet.forward.__code__.co_firstlineno + 1}"
+    events = g.report.by_code("AMP108") + g.report.by_code("AMP107")
+    assert {e.code for e in events} == {"AMP107", "AMP108"}
+    for event in events:
+        assert "overflow in the backward of sqrt in FlooredNet" in event.message
+        assert event.details["origin"]["source"].endswith(fault_line.split("/")[-1])
+    assert not g.report.by_code("AMP101") and not g.report.by_code("AMP103")
+
+
 def test_loss_scale_thresholds_come_from_the_guard():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

@@ -251,6 +251,9 @@ class ScalerState:
         self.scaled_backward = False
         #: The optimizers this scaler unscaled so far.
         self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        #: Where the replay of the latest skipped step it explained found the non-finite values
+        #: (``replay.Origin``).
+        self.overflow_origin = None
 
     @property
     def scaler(self) -> Optional[GradScaler]:
@@ -267,6 +270,16 @@ class ScalerState:
         if scaler is None:
             return []
         return [state["stage"] for state in scaler._per_optimizer_states.values()]
+
+
+def _overflow_cause(origin, details: dict) -> dict:
+    """AMP107/AMP108's ``cause`` field (and ``details["origin"]``): the op a replay of a
+    skipped step found, the only event naming it for a backward-only fault."""
+    if origin is None:
+        return {"cause": ""}
+    where = f" at {origin.source}" if origin.source else ""
+    return {"cause": f"; skipped steps overflow in {origin.describe()}{where}",
+            "details": {**details, "origin": origin.to_json()}}
 
 
 class ScalerWatch(Monitor):
@@ -444,8 +457,13 @@ class ScalerWatch(Monitor):
         skipped = inf > 0
         record.update(loss_scale=used, skipped=skipped)
         if skipped:
-            self.guard.request_replay(SKIPPED, step)
+            outcome = self.guard.request_replay(SKIPPED, step)
+            origin = outcome.cause() if outcome is not None else None
+            if origin is not None:
+                state.overflow_origin = origin
         for code, kwargs_ in state.history.observe(new, skipped):
+            if code in ("AMP107", "AMP108"):
+                kwargs_ = {**kwargs_, **_overflow_cause(state.overflow_origin, kwargs_["details"])}
             self.guard.emit(code, op="GradScaler.update", location=location,
                             step=step, **kwargs_)
 
