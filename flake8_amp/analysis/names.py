@@ -523,7 +523,7 @@ class Names:
         is not an assignment of a known value (parameters, loops, imports, unpacking of an
         unknown call...)."""
         values: List[nodes.NodeNG] = []
-        for binding in self.bindings(name):
+        for binding in self.reaching_bindings(name):
             bound = self._binding_values(binding)
             if not bound:
                 return None
@@ -859,7 +859,7 @@ class Names:
         in reversed(self.layers[1:])`` or ``for layer, shape in zip(self.layers, shapes)``;
         ``self.heads.items()`` for ``head`` in ``for name, head in self.heads.items()``; None for
         a binding that is not a loop variable or a shape not followed."""
-        loop, path = _loop_of(binding)
+        loop, path = loop_of(binding)
         if loop is None:
             return None
         iterable = loop.iter
@@ -1322,8 +1322,9 @@ def _defined_in_module(name: nodes.Name) -> bool:
 
 #: Statement lists whose earlier statements have run when a later one runs.
 _BLOCKS = ("body", "orelse", "finalbody")
-#: Where the search for an overwriting assignment stops: scopes, loops (an assignment
-#: later in the body reaches the next iteration), handlers (the ``try`` may have failed).
+#: Where the search for an overwriting assignment stops: scopes, loops that bind the name (an
+#: assignment later in the body reaches the next iteration), handlers (the ``try`` may have
+#: failed).
 _SEARCH_ENDS = (
     nodes.For,
     nodes.While,
@@ -1359,10 +1360,17 @@ def _last_unconditional_binding(
             found = _binding_run_by(statement, by_statement)
             if found is not None:
                 return found
-        if isinstance(parent, _SEARCH_ENDS):
+        if isinstance(parent, _SEARCH_ENDS) and not _rebinds_nothing(parent, bindings):
             return None
         child = parent
     return None
+
+
+def _rebinds_nothing(block: nodes.NodeNG, bindings: Sequence[nodes.NodeNG]) -> bool:
+    """``block`` is a loop that binds none of ``bindings``: no later iteration can see a value
+    it assigned, so the search goes on before it."""
+    return isinstance(block, (nodes.For, nodes.While)) and not any(
+        block.parent_of(binding) for binding in bindings)
 
 
 def _binding_run_by(statement: nodes.NodeNG, by_statement: Dict) -> Optional[nodes.NodeNG]:
@@ -1555,7 +1563,7 @@ def _is_super_call(expr: nodes.NodeNG) -> bool:
     )
 
 
-def _loop_of(binding: nodes.AssignName) -> Tuple[Optional[nodes.NodeNG], List[int]]:
+def loop_of(binding: nodes.AssignName) -> Tuple[Optional[nodes.NodeNG], List[int]]:
     """The ``for`` loop or comprehension whose variable ``binding`` is (part of), and where
     in the unpacked target it sits (``[1, 0]`` for ``b`` in ``for i, (b, c) in ...``); None
     for a binding that is no loop variable."""
@@ -1572,7 +1580,7 @@ def _loop_of(binding: nodes.AssignName) -> Tuple[Optional[nodes.NodeNG], List[in
 
 def _comprehension_target(binding: nodes.AssignName) -> bool:
     """Whether ``binding`` is (part of) a comprehension's loop variable (``for a, b in ...``)."""
-    return isinstance(_loop_of(binding)[0], nodes.Comprehension)
+    return isinstance(loop_of(binding)[0], nodes.Comprehension)
 
 
 def _is_none(value: Optional[nodes.NodeNG]) -> bool:

@@ -13,6 +13,7 @@ from flake8_amp.analysis.context import (
 from flake8_amp.analysis.dtypes import FP32, LOW
 from flake8_amp.analysis.names import (
     assign_target,
+    assigned_value,
     calls_in_order,
     chain_root,
     chain_top,
@@ -20,6 +21,7 @@ from flake8_amp.analysis.names import (
     is_self,
     keyword_value,
     last_part,
+    loop_of,
     simple_name,
 )
 from flake8_amp.analysis.regions import BF16, FP16
@@ -58,6 +60,7 @@ class ManualCast(Check):
             or _in_cast_definition(node)
             or _self_cast(func)
             or _to_tensor_dtype(node)
+            or self._of_state_dict(func.expr)
             or self._user_method(func)
             or self._behind_precision_flag(node)
             or self._checkpoint_copy(node, func)
@@ -133,6 +136,25 @@ class ManualCast(Check):
             if qualname.startswith("torch.") and last_part(qualname) in AMP_SWITCHES:
                 switches.add(enabled.as_string())
         return switches
+
+    def _of_state_dict(self, receiver: nodes.NodeNG) -> bool:
+        """``v`` of ``for k, v in model.state_dict().items()``, ``sd[k]`` of ``sd =
+        model.state_dict()``: a state dict holds detached tensors, and casting them trains
+        nothing (a half-precision checkpoint, an EMA's copy)."""
+        if isinstance(receiver, nodes.Subscript):
+            receiver = receiver.value
+        if not isinstance(receiver, nodes.Name):
+            return False
+        bindings = self.context.names.bindings(receiver)
+        for binding in bindings:
+            loop, _ = loop_of(binding) if isinstance(binding, nodes.AssignName) else (None, [])
+            source = loop.iter if loop is not None else assigned_value(binding)
+            if source is None or not any(
+                simple_name(call.func) == "state_dict"
+                for call in source.nodes_of_class(nodes.Call)
+            ):
+                return False
+        return bool(bindings)
 
     def _checkpoint_copy(self, node: nodes.Call, func: nodes.Attribute) -> bool:
         """A copy cast for a checkpoint and not trained by its function: inside a save call

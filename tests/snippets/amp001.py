@@ -522,6 +522,23 @@ def train_and_save_compact_state(model, loader, optimizer, path):
     torch.save({k: v.half() for k, v in model.state_dict().items()}, path)
 
 
+class CheckpointingTrainer:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def train_step(self, x, y):
+        self.model(x, y).backward()
+        self.optimizer.step()
+
+    def save_checkpoint(self, path, step):
+        state = {k: v.half() for k, v in self.model.state_dict().items()}
+        torch.save({"model": state, "step": step}, path)
+
+    def average_into(self, other):
+        weights = self.model.state_dict()
+        other.load_state_dict({k: weights[k].half() for k in weights})
+
+
 def export_comprehension(tensors):
     return [t.half() for t in tensors]
 

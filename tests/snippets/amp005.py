@@ -818,6 +818,28 @@ class BackwardClipsItself:
         self.scaler.update()
 
 
+# ---- an FSDP model rebound from the model it wraps, handed to a loop called in a loop -----
+def rebound_fsdp_epoch(model, loader, optimizer, scaler, max_norm):
+    for tokens, labels in loader:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(tokens), labels)
+        scaler.scale(loss).backward()
+        model.clip_grad_norm_(max_norm)  # AMP005
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def rebound_fsdp_main(args, build, loader):
+    model = build(args)
+    if args.low_memory_init:
+        model = model.to(torch.bfloat16)
+    model = FSDP(model, use_orig_params=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cuda")
+    for _ in range(args.epochs):
+        rebound_fsdp_epoch(model, loader, optimizer, scaler, args.max_norm)
+
+
 # ---- the scaled backward in a helper of this module; an FSDP model handed in ----------
 def backward(total_loss, scaler):
     if scaler is not None:
