@@ -71,6 +71,7 @@ from flake8_amp.analysis.names import (
     is_self,
     keyword_value,
     last_part,
+    literal_value,
     method_call,
     returned_values,
     unpacked_value,
@@ -194,6 +195,8 @@ PRESERVING_MODULES: FrozenSet[str] = frozenset(
 SAME_DTYPE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "grad"})
 #: How many module forwards (and functions) deep a call's output is followed.
 _MAX_FRAMES = 4
+#: ``torch.nn`` modules holding others.
+_CONTAINERS = frozenset({"Sequential", "ModuleList", "ModuleDict"})
 #: Methods converting to the dtype named by (or of) their argument.
 CONVERSIONS = frozenset({"to", "type", "type_as"})
 #: Ops returning ``(values, indices)``: values keep the input's dtype.
@@ -689,6 +692,8 @@ class Dtypes:
         kinds = set()
         for construction in self.names.constructions(site.func) or ():
             items = self.names.container_items(construction)
+            if items is None and self._torch_layer(construction):
+                continue  # the other arm of ``Sequential(conv, norm) if ... else nn.Identity()``
             if items is None or any(isinstance(a, nodes.Starred) for a in construction.args):
                 return None
             kind = self._in_frames(self._frames, site.args[0], depth)
@@ -697,6 +702,11 @@ class Dtypes:
                     kinds.add(kind)
                 kind = self._element_output(item, site, depth, kind)
         return kinds.pop() if len(kinds) == 1 else None
+
+    def _torch_layer(self, construction: nodes.NodeNG) -> bool:
+        """A ``torch.nn`` module that holds no other (``nn.Identity()``, ``nn.Conv2d(...)``)."""
+        qualname = self.names.class_qualname(getattr(construction, "func", None)) or ""
+        return qualname.startswith("torch.nn.") and last_part(qualname) not in _CONTAINERS
 
     def _in_frames(
         self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int, element: int = -1
@@ -775,7 +785,7 @@ class Dtypes:
         if isinstance(value, nodes.Name):
             kinds = set()
             for binding in self.names.earlier_bindings(value):
-                assigned = assigned_value(binding)
+                assigned = literal_value(binding)  # also ``s1, s2 = net(a), net(b)``
                 kinds.add(self._field(assigned, field, depth + 1) if assigned is not None else None)
             return kinds.pop() if len(kinds) == 1 else None
         if not isinstance(value, nodes.Call):

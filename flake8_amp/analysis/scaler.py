@@ -132,6 +132,9 @@ class PathState:
     pending_steps: FrozenSet[nodes.Call] = frozenset()
     #: Names currently bound to a scaled loss (``loss = scaler.scale(loss)``).
     scaled_names: FrozenSet[str] = frozenset()
+    #: ``scaler.update()`` ended a scaled backward's phase: the optimizers ``scaler.step``
+    #: did not step (those in ``stepped`` did) still hold its scaled gradients.
+    left_scaled: bool = False
     #: Conditions decided on this path: ``(key, truth)``.
     conditions: FrozenSet[Tuple[str, bool]] = frozenset()
 
@@ -214,6 +217,20 @@ class ScalerFlow:
         backward and the last ``<optimizer_key>.zero_grad()`` (with or without
         ``scaler.update()`` after it): a plain step there applies the same gradients again."""
         return any(optimizer_key in state.stepped for state in self.states_before.get(call, ()))
+
+    def left_scaled_before(
+        self, call: nodes.Call, optimizer_key: Optional[str],
+        unless_zeroed: Sequence[FrozenSet[str]],
+    ) -> bool:
+        """Some path to ``call`` ran ``scaler.update()`` after a scaled backward without
+        ``scaler.step(<optimizer_key>)`` or its ``zero_grad()`` (``unless_zeroed`` as for
+        :meth:`phases_before`): that optimizer's gradients are still scaled (a second
+        optimizer stepped directly after the scaler's ``step``/``update``)."""
+        return any(
+            state.left_scaled and optimizer_key not in state.stepped
+            and not any(keys and keys <= state.zeroed for keys in unless_zeroed)
+            for state in self.states_before.get(call, ())
+        )
 
     def scaled_on_entry(self, call: nodes.Call) -> bool:
         """Gradients are scaled when ``call`` runs though no scaled backward precedes it here
@@ -396,7 +413,7 @@ class ScalerFlow:
                 self.scaled_backwards.append(call)
             return frozenset(
                 _scaled(state) if self._is_scaled(backpropagated, state)
-                else replace(state, stepped=frozenset())
+                else replace(state, stepped=frozenset(), left_scaled=False)
                 for state in states
             )
         if method == "zero_grad" and receiver is not None:
@@ -437,7 +454,9 @@ class ScalerFlow:
         for state in states:
             self._updated_steps.update(state.pending_steps)
         return frozenset(
-            replace(state, phase=phase, pending_steps=frozenset()) for state in states
+            replace(state, phase=phase, pending_steps=frozenset(),
+                    left_scaled=phase is None and (state.left_scaled or state.phase is not None))
+            for state in states
         )
 
     def _is_scaled(self, expr: Optional[nodes.NodeNG], state: PathState) -> bool:
@@ -457,7 +476,7 @@ def _flow_scope(node: nodes.NodeNG) -> nodes.NodeNG:
 
 def _scaled(state: PathState) -> PathState:
     """``state`` after a scaled backward: new scaled gradients, not yet stepped or zeroed."""
-    return replace(state, phase=SCALED, stepped=frozenset(), zeroed=frozenset())
+    return replace(state, phase=SCALED, stepped=frozenset(), zeroed=frozenset(), left_scaled=False)
 
 
 #: Words of a receiver's last name that say it is an optimizer (``opt``, ``optimizer_g``...).

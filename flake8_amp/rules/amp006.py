@@ -64,7 +64,7 @@ class StepBypassesScaler(Check):
             return
         if not phases & {SCALED, UNSCALED} and not (
             phases <= {None} and scaler_analysis(self.context).scaled_elsewhere(node)
-        ):
+        ) and not flow.left_scaled_before(node, key, zeroed):
             return
         self.report(
             node,

@@ -1428,3 +1428,63 @@ def train_actor_critic(obs, optimizer, scaler, settings):
     scaler.scale(loss + value_mean + hidden_mean + spread).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# A norm held in two Sequentials after a convolution, one of them the arm of a conditional.
+class ChannelsFirstNorm(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x):
+        return (x - x.mean(1, keepdim=True)) * self.weight[:, None, None]  # AMP004
+
+
+class DownsampleStage(nn.Module):
+    def __init__(self, in_chs, out_chs):
+        super().__init__()
+        if in_chs != out_chs:
+            self.down = nn.Sequential(nn.Conv2d(in_chs, out_chs, 2, stride=2), ChannelsFirstNorm(out_chs))
+        else:
+            self.down = nn.Identity()
+
+    def forward(self, x):
+        return self.down(x)
+
+
+class StemAndStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), ChannelsFirstNorm(16))
+        self.stage = DownsampleStage(16, 32)
+
+    def forward(self, x):
+        return self.stage(self.stem(x))
+
+
+def train_stem_and_stage(images, optimizer, scaler):
+    net = StemAndStage().cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = net(images).float().mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+# Records of two calls unpacked from a literal tuple; a field handed two functions deep.
+def standardize_batch(z):
+    return (z - z.mean(dim=0)) / z.std(dim=0)  # AMP004 AMP004
+
+
+def cross_correlation(z1, z2):
+    return standardize_batch(z1).T @ standardize_batch(z2)
+
+
+def train_two_views(view1, view2, optimizer, scaler):
+    agent = ActorCritic(8).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        out1, out2 = agent(view1), agent(view2)
+        loss = cross_correlation(out1.logits, out2.logits).float().pow(2).sum()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()

@@ -680,3 +680,39 @@ def one_of_two_models_zeroed_after_the_scaled_backward(qf1, qf2, data, scaler):
     qf1.zero_grad()
     qf1(data).float().mean().backward()
     q_opt.step()  # AMP006
+
+
+def second_optimizer_stepped_after_the_scaler_updates(model, log_vars, data, optimizer, scaler):
+    """Uncertainty weights in the scaled loss, stepped by their own optimizer past the scaler."""
+    weight_optimizer = torch.optim.SGD([log_vars], lr=0.1)
+    with torch.autocast("cuda", dtype=torch.float16):
+        parts = model(data)
+        loss = sum(torch.exp(-lv) * part + lv for lv, part in zip(log_vars, parts))
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    weight_optimizer.step()  # AMP006
+    optimizer.zero_grad()
+    weight_optimizer.zero_grad()
+
+
+def both_optimizers_through_the_scaler_before_one_update(model, log_vars, data, optimizer, scaler):
+    weight_optimizer = torch.optim.SGD([log_vars], lr=0.1)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = (model(data) * log_vars.exp()).sum()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.step(weight_optimizer)
+    scaler.update()
+
+
+def second_optimizer_after_its_own_plain_backward(model, critic, data, optimizer, critic_opt, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(data).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    critic_opt.zero_grad()
+    critic(data).float().pow(2).mean().backward()
+    critic_opt.step()
