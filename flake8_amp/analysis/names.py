@@ -247,6 +247,31 @@ class Names:
                 return self.method_of(owner, func.attrname)
         return None
 
+    def possible_functions(self, call: nodes.Call) -> Set[nodes.FunctionDef]:
+        """The functions of this module ``call`` may call: :meth:`local_function`'s, or for
+        ``obj.m(...)`` on an object one of several classes of this module may have built
+        (``self.optimizer = AMPOptimizer(...) if cfg.amp else FairseqOptimizer(...)``),
+        each one's ``m``."""
+        function = self.local_function(call)
+        if function is not None:
+            return {function}
+        func = call.func
+        if not isinstance(func, nodes.Attribute) or func.attrname in _RETURNS_SELF:
+            return set()
+        if is_self(func.expr) or is_cls(func.expr) or _is_super_call(func.expr):
+            return set()
+        owners = self.local_classes(func.expr)
+        if len(owners) < 2 or None in owners:
+            return set()
+        found = set()
+        for owner in owners:
+            if func.attrname in self._self_attributes(owner):
+                return set()
+            method = self.method_of(owner, func.attrname)
+            if method is not None:
+                found.add(method)
+        return found
+
     def object_method(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
         """The ``__call__`` of a class of this module that calling an object of it runs
         (``loss_scaler(loss, optimizer)``, ``self.loss_scaler(...)``); ``obj.m(...)`` is
@@ -263,7 +288,7 @@ class Names:
         ``TiedRowAttention._attend``); for an ``__init__``, the calls of its class
         (``Trainer(model, args)``)."""
         calls = self.calls_by_name.get(function.name, ())
-        sites = [call for call in calls if self.local_function(call) is function]
+        sites = [call for call in calls if function in self.possible_functions(call)]
         owner = function.parent
         if not isinstance(owner, nodes.ClassDef):
             return sites

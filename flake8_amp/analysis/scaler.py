@@ -824,7 +824,7 @@ class ScalerAnalysis:
             for call in calls_in_order(code_frame(site)):
                 if call is site:
                     following = True
-                elif following and self.names.local_function(call) in later:
+                elif following and self.names.possible_functions(call) & set(later):
                     break
             else:
                 return False

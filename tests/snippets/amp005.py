@@ -1058,3 +1058,50 @@ def train_logging_norm_after_step(model, loader, lr):
         optimizer.backward(loss)
         optimizer.step()
         optimizer.clip_grad_norm(float("inf"))  # unscaled by scaler.step by now
+
+
+# ---- the wrapper chosen by a flag between a plain and a scaling one (fairseq) -------------
+class PlainOptimizerWrapper:
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm):
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def step(self):
+        self.optimizer.step()
+
+
+class ScalingOptimizerWrapper(PlainOptimizerWrapper):
+    def __init__(self, params, lr):
+        super().__init__(params, lr)
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def clip_grad_norm(self, max_norm):
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # AMP005
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class FlagChosenWrapperTrainer:
+    def __init__(self, model, lr, amp):
+        self.model = model
+        params = list(model.parameters())
+        self.optimizer = ScalingOptimizerWrapper(params, lr) if amp else PlainOptimizerWrapper(params, lr)
+
+    def train_step(self, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = self.model(batch)
+        self.optimizer.backward(loss)
+        grad_norm = self.optimizer.clip_grad_norm(1.0)
+        self.optimizer.step()
+        return grad_norm
