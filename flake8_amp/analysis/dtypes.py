@@ -73,6 +73,7 @@ from flake8_amp.analysis.names import (
     last_part,
     literal_value,
     method_call,
+    named_argument,
     returned_values,
     unpacked_value,
 )
@@ -792,7 +793,7 @@ class Dtypes:
             return None
         fields = self.names.record_fields(value.func)
         if fields is not None:
-            argument = _record_argument(value, fields, field)
+            argument = named_argument(value, fields, field)
             return self._of(argument, depth) if argument is not None else None
         function = self.names.local_function(value) or self._forward_called(value)
         return self._followed(function, value, depth, element=field) if function else None
@@ -992,18 +993,6 @@ def _module_parts(module: nodes.NodeNG) -> List[nodes.NodeNG]:
             parts.append(current.value)
         else:
             return parts
-
-
-def _record_argument(call: nodes.Call, fields: List[str], field: str) -> Optional[nodes.NodeNG]:
-    """What the construction ``call`` of a record type passes to ``field``."""
-    value = keyword_value(call, field)
-    if value is not None or field not in fields:
-        return value
-    index = fields.index(field)
-    positional = call.args[: index + 1]
-    if index < len(call.args) and not any(isinstance(a, nodes.Starred) for a in positional):
-        return call.args[index]
-    return None
 
 
 def _is_shape(expr: nodes.NodeNG) -> bool:

@@ -1617,15 +1617,21 @@ def argument_for(
 ) -> Optional[nodes.NodeNG]:
     """What ``call`` passes to ``parameter`` of the function ``arguments`` belongs to (by
     keyword or position; ``self.f(...)`` and ``Cls(...)`` bind ``self``); None if omitted."""
-    value = keyword_value(call, parameter)
-    if value is not None:
-        return value
     positional = [a.name for a in arguments.posonlyargs + arguments.args]
     if _binds_self(arguments.parent):
         positional = positional[1:]
-    if parameter not in positional:
-        return None
-    index = positional.index(parameter)
+    return named_argument(call, positional, parameter)
+
+
+def named_argument(
+    call: nodes.Call, positional: Sequence[str], name: str
+) -> Optional[nodes.NodeNG]:
+    """What ``call`` passes to ``name``: by keyword, or by its place in ``positional`` (the
+    names its positional arguments bind); None if omitted or behind a ``*args``."""
+    value = keyword_value(call, name)
+    if value is not None or name not in positional:
+        return value
+    index = list(positional).index(name)
     before = call.args[: index + 1]
     if index < len(call.args) and not any(isinstance(a, nodes.Starred) for a in before):
         return call.args[index]
