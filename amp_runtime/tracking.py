@@ -86,6 +86,20 @@ def _code_kind(code: CodeType) -> int:
     return kind
 
 
+def called_through(method_names: frozenset) -> bool:
+    """Whether a framework method named in ``method_names`` is on the stack between the
+    user's code and here (Lightning's ``manual_backward``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        kind = _code_kind(frame.f_code)
+        if kind == _USER:
+            return False
+        if kind == _FRAMEWORK and frame.f_code.co_name in method_names:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def call_frames(frame) -> "Location":
     """Where the code of ``frame`` was called from, as ``(user's place, library's place)``: the
     innermost frame outside torch, this package and the frameworks (None when the whole stack

@@ -253,14 +253,16 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP103", "nonfinite-grad", "P0", (RUNTIME,),
         "non-finite gradients in {where} reached the optimizer",
-        "use a GradScaler (fp16); this step's replay (AMP101) names the overflowing op",
+        "fix the op that made them non-finite (this step's AMP101, or the backward named "
+        "here); in fp16 a GradScaler skips such steps",
         "NaN/Inf gradients the optimizer stepped on",
         """Gradients holding NaN or Inf that no GradScaler caught are applied to the
         weights, which then become NaN for good.""",
-        """With fp16 use ``torch.amp.GradScaler``. The replay of the failing step
+        """Fix the op that made them non-finite: the replay of the failing step
         (``trace="auto"``) names the overflowing op (AMP101) or the layer whose gradient
         first turned non-finite; ``details["replay"]`` says why when it could not run
-        (then ``trace="always"`` traces every step).""",
+        (then ``trace="always"`` traces every step). With fp16, ``torch.amp.GradScaler``
+        skips such steps instead of applying them.""",
     ),
     _rule(
         "AMP104", "grad-explosion", "P0", (RUNTIME,),
@@ -349,13 +351,15 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP112", "nonfinite-loss", "P0", (RUNTIME,),
         "loss is {kind} when backward starts",
-        "this step's replay names the first non-finite op (AMP101)",
+        "fix the first non-finite op: this step's AMP101 where the model made it, else the "
+        "loss or its inputs (labels, targets)",
         "NaN/Inf loss at backward",
         """A NaN/Inf loss propagates into every gradient. Without a GradScaler the
         step corrupts the weights; with one, it is skipped and the scale drops.""",
-        """Fix the first op producing NaN/Inf: the replay of this step names it
-        (AMP101); ``details["replay"]`` says why when it could not run (then
-        ``trace="always"`` traces every step).""",
+        """Fix the first op producing NaN/Inf: where the model's forward made it, the
+        replay of this step names it (AMP101); where the replay finds none, look at the
+        loss and what it was given (a NaN label). ``details["replay"]`` says why when it
+        could not run (then ``trace="always"`` traces every step).""",
     ),
 )
 
