@@ -859,7 +859,7 @@ class Names:
             ):
                 return self._all_constructions([v.elts[index] for v in held], depth)
             return None
-        iterable = self._iterated(binding)
+        iterable = self.iterated(binding)
         if iterable is None:
             return None
         listed = self.list_items(iterable)
@@ -878,7 +878,7 @@ class Names:
             return None
         return self._elements(containers, depth)
 
-    def _iterated(self, binding: nodes.AssignName) -> Optional[nodes.NodeNG]:
+    def iterated(self, binding: nodes.AssignName) -> Optional[nodes.NodeNG]:
         """The sequence whose elements a loop variable takes: ``self.layers`` for ``layer`` in
         ``for layer in self.layers``, ``for i, layer in enumerate(self.layers)``, ``for layer
         in reversed(self.layers[1:])`` or ``for layer, shape in zip(self.layers, shapes)``;

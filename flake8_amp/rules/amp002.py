@@ -241,7 +241,9 @@ class LossOutsideAutocast(Check):
         ``x.float()``, ``si_snr(est[:, i], ref[:, j])``)."""
         for call in function.nodes_of_class(nodes.Call):
             receiver = method_call(call)[1]
-            if _names(receiver, parameter) and self.context.dtypes.cast_target(call) == FP32:
+            if (self._names_parameter(receiver, parameter)
+                    and self.context.dtypes.cast_target(call) == FP32
+                    and not self._back_to_integers(call)):
                 return True
             inner = self.context.names.local_function(call) if depth > 0 else None
             if inner is not None and inner is not function:
@@ -249,6 +251,30 @@ class LossOutsideAutocast(Check):
                     if _names(arg, parameter):
                         if self._upcasts(inner, inner_parameter.name, depth - 1):
                             return True
+        return False
+
+    def _names_parameter(self, expr: Optional[nodes.NodeNG], parameter: str) -> bool:
+        """``expr`` is ``parameter``, a slice of it, or an element a loop takes from it
+        (``logits`` in ``for logits in aux_logits``, also through ``zip``/``enumerate``)."""
+        if _names(expr, parameter):
+            return True
+        while isinstance(expr, nodes.Subscript) and not _is_string(expr.slice):
+            expr = expr.value
+        if not isinstance(expr, nodes.Name):
+            return False
+        bindings = self.context.names.bindings(expr)
+        return (len(bindings) == 1 and isinstance(bindings[0], nodes.AssignName)
+                and _names(self.context.names.iterated(bindings[0]), parameter))
+
+    def _back_to_integers(self, cast: nodes.Call) -> bool:
+        """The fp32 value is made integer again in the same expression (``F.interpolate(
+        target[:, None].float(), size)[:, 0].long()``): labels reshaped, not a precision
+        chosen for the loss."""
+        node = cast.parent
+        while node is not None and not node.is_statement:
+            if isinstance(node, nodes.Call) and self.context.dtypes.cast_target(node) == INT:
+                return True
+            node = node.parent
         return False
 
     # -- where the prediction comes from -----------------------------------------------

@@ -883,3 +883,28 @@ def train_margin_distillation_upcast(model, batch, teacher_margin, optimizer, sc
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# A loss of this module that upcasts the labels only to resize them (and makes them
+# integers again) has chosen no precision for the prediction; one upcasting the prediction has.
+def deep_supervision_loss(aux_logits, target, criterion):
+    total = 0.0
+    for logits in aux_logits:
+        t = F.interpolate(target[:, None].float(), size=logits.shape[2:])[:, 0].long()
+        total = total + criterion(logits, t)
+    return total
+
+
+def upcast_deep_supervision_loss(aux_logits, target, criterion):
+    return sum(criterion(logits.float(), target) for logits in aux_logits)
+
+
+def train_with_deep_supervision(model, images, seg, optimizer, scaler):
+    criterion = nn.CrossEntropyLoss()
+    with torch.autocast("cuda", dtype=torch.float16):
+        aux = model(images)
+    loss = deep_supervision_loss(aux, seg, criterion)  # AMP002
+    loss = loss + upcast_deep_supervision_loss(aux, seg, criterion)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
