@@ -259,6 +259,14 @@ class Guard(Component):
         outcome = self.containment.call(replayer, replayer.request, code, step)
         return outcome if replayer.failure is None else None
 
+    def replay_cause(self, step: int):
+        """Where ``step``'s non-finite values came from, as its live trace or a replay found
+        it (``replay.Origin``), or None."""
+        replayer = self.replayer
+        if replayer is None or replayer.failure is not None:
+            return None
+        return self.containment.call(replayer, replayer.cause_of, step)
+
     def explain_nonfinite_grads(self, step: int, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         """AMP103's ``emit`` arguments for ``step``, whose gradients are non-finite: replayed
         first, they name where the NaN/Inf came from when the replay (or the step's live trace)

@@ -63,7 +63,10 @@ from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
 from .monitors.grads import l2_norms, listing, nonfinite_gradients
 from .monitors.scaler import SKIPPED
 from .readings import Readings
-from .tracking import CALL_IMPL_CODE, NOWHERE, Location, format_location, op_name, unwrap_compiled
+from .tracking import (
+    CALL_IMPL_CODE, NOWHERE, Location, format_location, op_name, replay_calls_from,
+    unwrap_compiled,
+)
 
 #: The codes whose findings name where a replayed step's gradients turned non-finite, by what
 #: asked for the replay: AMP103 itself, or a skipped step's loss-scale codes.
@@ -115,6 +118,8 @@ class RootCall:
     versions: Tuple[int, ...] = ()
     #: Optimizer steps applied before the call: a later step changed the parameters.
     optimizer_steps: int = 0
+    #: Where the loop called the module (read once per module and remembered).
+    location: Location = NOWHERE
 
 
 @dataclass
@@ -471,6 +476,17 @@ def _module_outputs_to(localizer: Optional[_Localizer], replay: "StepReplay"):
         handle.remove()
 
 
+@contextlib.contextmanager
+def _called_from(location: Location):
+    """Ops the replayed forward runs are placed where the loop made the original call, not
+    where the guard judged the step."""
+    replay_calls_from(_users_code.__code__, location)
+    try:
+        yield
+    finally:
+        replay_calls_from(None, NOWHERE)
+
+
 def _users_code(what: str, function: Callable, *args, **kwargs):
     """``function(*args, **kwargs)``, the user's forward or backward run again by a replay: what
     it raises makes the replay stop (``ReplayError``), the user's run goes on. (The replay's own
@@ -684,6 +700,7 @@ class StepReplay(Monitor):
             training=module.training, traced=guard.tracing,
             versions=tuple(t._version for t in input_tensors(args, kwargs)),
             optimizer_steps=self._optimizer_steps,
+            location=guard.tracker.loop_location(("root call", id(module))),
         ))
 
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
@@ -741,13 +758,20 @@ class StepReplay(Monitor):
     def outcome_of(self, step: int) -> Optional[Outcome]:
         return next((o for o in reversed(self.outcomes) if o.step == step), None)
 
+    def cause_of(self, step: int) -> Optional[Origin]:
+        """Where ``step``'s non-finite values came from: the op its live trace or replay
+        named (AMP101), or the backward a replay reproduced."""
+        origin = self._forward_causes.get(step)
+        outcome = self.outcome_of(step)
+        if origin is None and outcome is not None:
+            origin = outcome.cause()
+        return origin
+
     def explain_nonfinite_grads(self, step: int, kwargs: dict) -> dict:
         """AMP103's emit arguments naming where the step's non-finite gradients came from, when
         the step's live trace or its replay found it (otherwise as given)."""
         outcome = self.outcome_of(step)
-        origin = self._forward_causes.get(step)
-        if origin is None and outcome is not None:
-            origin = outcome.cause()
+        origin = self.cause_of(step)
         details = dict(kwargs.get("details") or {})
         if outcome is not None:
             details["replay"] = outcome.to_json()
@@ -840,7 +864,7 @@ class StepReplay(Monitor):
             module = eager_module(call.module)
             set_rng_state(call.rng)
             with _autocast(call.autocast), torch.enable_grad(), _training(module, call.training):
-                with mode, _module_outputs_to(localizer, self):
+                with mode, _module_outputs_to(localizer, self), _called_from(call.location):
                     out = _users_code("forward", module, *_detached(call.args),
                                       **_detached(call.kwargs))
             if self.failure is not None:  # a handler of the replay's failed (AMP100): stop

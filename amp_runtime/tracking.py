@@ -100,13 +100,27 @@ def called_through(method_names: frozenset) -> bool:
     return False
 
 
+#: While a replay runs a root module's forward again: the code object of the guard's function
+#: calling it and where the user's loop made the original call. The frames above that one are
+#: where the guard judged the step, not where the module was called.
+_replayed_call: List = [None, (None, None)]
+
+
+def replay_calls_from(code: Optional[CodeType], location: "Location") -> None:
+    """Frames of ``code`` stand for ``location`` (None: stop)."""
+    _replayed_call[:] = [code, location]
+
+
 def call_frames(frame) -> "Location":
     """Where the code of ``frame`` was called from, as ``(user's place, library's place)``: the
     innermost frame outside torch, this package and the frameworks (None when the whole stack
     is theirs), and the innermost framework frame inside it (None when the user's code called
-    torch directly)."""
+    torch directly). Under a replay, the original call's place (``replay_calls_from``)."""
     library = None
     while frame is not None:
+        if frame.f_code is _replayed_call[0]:
+            user, replayed_library = _replayed_call[1]
+            return user, _place(library) or replayed_library
         kind = _code_kind(frame.f_code)
         if kind == _USER:
             break

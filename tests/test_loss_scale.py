@@ -158,6 +158,31 @@ def test_a_backward_only_fault_skipping_every_step_is_named_by_the_scale_events(
     assert not g.report.by_code("AMP101") and not g.report.by_code("AMP103")
 
 
+def test_the_scale_events_name_the_forward_op_a_replay_of_a_failing_step_found():
+    """Every forward overflows in the same layer: the loss check (AMP112) asks for the replay
+    first, and AMP108/AMP107 carry the AMP101 it found."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_runtime.guard(policy="record", model=model) as g:
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8) * 1e5).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    (first,) = [e for e in g.report.by_code("AMP101") if e.step == 0]
+    call_line = next(n for n, text in enumerate(open(__file__), 1) if "* 1e5" in text)
+    assert first.details["replayed"] and first.source.endswith(f":{call_line}")  # not the judge's
+    events = g.report.by_code("AMP108") + g.report.by_code("AMP107")
+    assert {e.code for e in events} == {"AMP107", "AMP108"}
+    for event in events:
+        assert f"overflow in {first.op} in {first.module} at {first.source}" in event.message
+        assert event.details["origin"]["phase"] == "forward"
+
+
 def test_loss_scale_thresholds_come_from_the_guard():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

@@ -457,8 +457,9 @@ class ScalerWatch(Monitor):
         skipped = inf > 0
         record.update(loss_scale=used, skipped=skipped)
         if skipped:
-            outcome = self.guard.request_replay(SKIPPED, step)
-            origin = outcome.cause() if outcome is not None else None
+            self.guard.request_replay(SKIPPED, step)
+            # also what a replay asked for by AMP112 or AMP103 in this step found
+            origin = self.guard.replay_cause(step)
             if origin is not None:
                 state.overflow_origin = origin
         for code, kwargs_ in state.history.observe(new, skipped):
