@@ -1019,6 +1019,8 @@ class Names:
             return list(expr.elts)
         if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
             return [expr.elt]  # ``nn.ModuleList(Block(d) for _ in range(n))`` too
+        if isinstance(expr, nodes.Call):
+            return self._returned_items(expr)
         if not isinstance(expr, nodes.Name):
             return None
         bindings = self.bindings(expr)
@@ -1027,8 +1029,10 @@ class Names:
         frame = bindings[0].frame()
         items: List[nodes.NodeNG] = []
         for binding in bindings:
-            if binding.frame() is not frame or not isinstance(
-                _list_binding_value(binding), (nodes.List, nodes.Tuple, nodes.ListComp)
+            value = _list_binding_value(binding)
+            if binding.frame() is not frame or not (
+                isinstance(value, (nodes.List, nodes.Tuple, nodes.ListComp))
+                or isinstance(value, nodes.Call) and isinstance(binding.parent, nodes.AugAssign)
             ):
                 return None
         for use in frame.nodes_of_class((nodes.Name, nodes.AssignName)):
@@ -1039,6 +1043,21 @@ class Names:
                 held = self.list_items(value) if value is not None else None
             else:
                 held = self._list_use(use)
+            if held is None:
+                return None
+            items.extend(held)
+        return items
+
+    def _returned_items(self, call: nodes.Call) -> Optional[List[nodes.NodeNG]]:
+        """The items of the lists a function of this module returns (``layers +=
+        conv_stage(c_in, c_out)``), each return's in turn."""
+        function = self.local_function(call)
+        returns = returned_values(function) if function is not None else None
+        if not returns:
+            return None
+        items: List[nodes.NodeNG] = []
+        for value in returns:
+            held = self.list_items(value) if value is not call else None
             if held is None:
                 return None
             items.extend(held)
@@ -1076,6 +1095,8 @@ class Names:
             return self._added_by(call)
         if isinstance(parent, (nodes.For, nodes.Comprehension)) and parent.iter is use:
             return []  # iterated over
+        if isinstance(parent, nodes.Return):
+            return []  # handed back whole (``return layers`` of a block builder)
         if isinstance(parent, nodes.Starred):
             parent = parent.parent
         if isinstance(parent, nodes.Call) and use is not parent.func:

@@ -1488,3 +1488,34 @@ def train_two_views(view1, view2, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# A Sequential of stages a builder function returns as lists, with a head appended after.
+def conv_block_layers(c_in, c_out, pool):
+    layers = [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU()]
+    if pool:
+        layers.append(nn.MaxPool2d(2))
+    return layers
+
+
+class StagedCNN(nn.Module):
+    def __init__(self, widths):
+        super().__init__()
+        layers, c_prev = [], 1
+        for width in widths:
+            layers += conv_block_layers(c_prev, width, True)
+            c_prev = width
+        layers.append(nn.Conv2d(c_prev, 32, 1))
+        self.cnn = nn.Sequential(*layers)
+
+    def forward(self, images):
+        return self.cnn(images).mean(dim=2)  # AMP004
+
+
+def train_staged_cnn(images, optimizer, scaler):
+    net = StagedCNN([8, 16]).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = net(images).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
