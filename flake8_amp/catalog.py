@@ -312,9 +312,9 @@ _RULES: Tuple[Rule, ...] = (
         "loss scale fell to {scale:g} ({reason}){cause}",
         "repeated overflows: look for the op the replay names and AMP101/AMP102 events",
         "loss scale declining",
-        """Five consecutive decreases, a scale below 1/100 of its initial value, or
-        below 128 and falling means overflows keep happening and the scale is on its
-        way to collapse.""",
+        """Five consecutive decreases once a step has gone through, a scale below 1/100
+        of its initial value, or below 128 and falling means overflows keep happening
+        and the scale is on its way to collapse.""",
         """Look for the op that overflows (AMP101/AMP102 events); lower the learning
         rate or keep the op in fp32.""",
     ),

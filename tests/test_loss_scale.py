@@ -25,11 +25,19 @@ def test_steady_or_growing_scale_is_healthy():
 
 
 def test_five_consecutive_decreases_report_decline_once():
-    per_step = run_history(halving(steps=6))
+    per_step = run_history([(65536.0, False)] + halving(steps=6))[1:]
     assert [codes(f) for f in per_step[:4]] == [[], [], [], []]
     assert codes(per_step[4]) == ["AMP108"]
     assert "5 consecutive decreases" in per_step[4][0][1]["reason"]
     assert per_step[5] == []
+
+
+def test_the_first_skips_settling_the_scale_are_calibration_not_a_decline():
+    """Six skips before any step went through (65536 -> 1024), then training: no AMP108; a
+    scale that never lets a step through is still reported by its fraction and floor."""
+    assert not any(run_history(halving(steps=6) + [(1024.0, False)] * 50))
+    per_step = run_history(halving(steps=10))
+    assert [i for i, f in enumerate(per_step) if "AMP108" in codes(f)] == [6, 9]
 
 
 def test_collapse_at_first_scale_at_or_below_one():
@@ -38,13 +46,13 @@ def test_collapse_at_first_scale_at_or_below_one():
     assert 65536.0 / 2 ** (first_collapse + 1) == 1.0
     assert sum(codes(f).count("AMP107") for f in per_step) == 1
     reasons = [kw["reason"] for f in per_step for code, kw in f if code == "AMP108"]
-    assert len(reasons) == 3  # consecutive, below init/100, below 128 and falling: each once
+    assert len(reasons) == 2  # below init/100, below 128 and falling: each once (no step yet)
 
 
 def test_rising_scale_ends_the_decline_episode():
-    sequence = halving(steps=5) + [(65536.0, False)] + halving(steps=5)
+    sequence = [(65536.0, False)] + halving(steps=5) + [(65536.0, False)] + halving(steps=5)
     per_step = run_history(sequence)
-    assert [i for i, f in enumerate(per_step) if "AMP108" in codes(f)] == [4, 10]
+    assert [i for i, f in enumerate(per_step) if "AMP108" in codes(f)] == [5, 11]
 
 
 def test_small_initial_scale_falling_below_floor():
@@ -58,7 +66,7 @@ def test_a_high_initial_scale_calibrating_down_to_the_default_is_not_a_decline()
     sequence = halving(init=2.0 ** 24, steps=8) + [(65536.0, False)] * 20
     assert not any(run_history(sequence, init=2.0 ** 24))
     per_step = run_history(halving(init=2.0 ** 24, steps=16), init=2.0 ** 24)
-    assert [i for i, f in enumerate(per_step) if "AMP108" in codes(f)] == [12, 14]
+    assert [i for i, f in enumerate(per_step) if "AMP108" in codes(f)] == [14]
 
 
 def test_calibration_skips_do_not_count_towards_overflow_rate():
@@ -113,7 +121,7 @@ def test_every_backward_overflowing_declines_then_collapses_the_scale():
     g, scales = overflowing_run(steps=20)
     assert scales == [2.0 ** (15 - i) for i in range(20)]  # the scale halves each step
     decline = g.report.by_code("AMP108")
-    assert [e.step for e in decline] == [4, 6, 9]
+    assert [e.step for e in decline] == [6, 9]  # no step went through: the fraction, the floor
     assert all(scales[e.step] == e.details["loss_scale"] for e in decline)
     (collapse,) = g.report.by_code("AMP107")
     assert collapse.step == scales.index(1.0) and collapse.severity == "P0"
@@ -251,13 +259,13 @@ def test_scaler_methods_run_without_the_guards_mode_and_are_still_judged():
     assert {name for name, _ in scaler.mode_seen} == {"unscale_", "step", "update"}
     assert not any(seen for _, seen in scaler.mode_seen)
     assert g.step_index == 10
-    assert [e.step for e in g.report.by_code("AMP108")] == [4, 6, 9]
+    assert [e.step for e in g.report.by_code("AMP108")] == [6, 9]
 
 
 def test_a_scaler_subclass_with_its_own_update_is_judged_through_the_mode():
     g = scaled_steps(OwnUpdateScaler("cpu"), steps=10)
     assert g.step_index == 10
-    assert [e.step for e in g.report.by_code("AMP108")] == [4, 6, 9]
+    assert [e.step for e in g.report.by_code("AMP108")] == [6, 9]
 
 
 def test_leaving_the_last_guard_restores_grad_scalers_methods():

@@ -333,7 +333,7 @@ def test_no_heap_walk_finds_scalers_optimizers_or_modules(monkeypatch):
     monkeypatch.setattr(gc, "get_objects", no_heap_walks)
     model = make_model()
     with amp_runtime.guard(policy="record") as g:
-        nanogpt_loop(model, torch.optim.SGD(model.parameters(), lr=1e-3), counting(), 6,
+        nanogpt_loop(model, torch.optim.SGD(model.parameters(), lr=1e-3), counting(), 7,
                      torch.float16, blow_up=1e30)
         model[2].half()  # AMP001 names a module that is not running
     assert {"AMP001", "AMP108"} <= codes(g) and "AMP100" not in codes(g)

@@ -53,9 +53,11 @@ class LossScaleHistory:
 
     A decline episode starts at the first decrease and ends when the scale rises again; each AMP108
     reason and AMP107 is reported once per episode. AMP109 judges a full window of steps and ignores
-    the skips of the first steps, while the scale calibrates down from its initial value. An initial
-    scale above GradScaler's default (2**16, about fp16's largest value) is expected to fall to it:
-    those decreases are calibration, and the default is the reference for AMP108's fraction.
+    the skips of the first steps, while the scale calibrates down from its initial value, and so
+    does AMP108's count of consecutive decreases (its fraction and floor still apply: a scale that
+    never lets a step through still declines). An initial scale above GradScaler's default
+    (2**16, about fp16's largest value) is expected to fall to it: those decreases are
+    calibration, and the default is the reference for AMP108's fraction.
     """
 
     def __init__(self, init_scale: float, limits: Thresholds):
@@ -78,7 +80,8 @@ class LossScaleHistory:
             self.decreases = 0
             self.reported.clear()
         elif scale < previous:
-            self.decreases += previous <= CALIBRATED_SCALE  # falling from above it is calibration
+            # falling from above the default, or before any step was taken, is calibration
+            self.decreases += previous <= CALIBRATED_SCALE and not self.calibrating
         else:
             self.decreases = 0
 
