@@ -43,7 +43,7 @@ class StepBypassesScaler(Monitor):
         self._reported = set()
         self._reported_step = None
         self._watch = None
-        #: Optimizer -> (param, weakref to its grad, the grad's version) when the scaler stepped it.
+        #: Optimizer -> (weakref to a param, its ``_gradient_mark``) when the scaler stepped it.
         self._stepped_grads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         #: Optimizer -> weakref to a parameter that had a gradient when it last stepped.
         self._probes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -112,23 +112,18 @@ class StepBypassesScaler(Monitor):
 
     def _remember_grads(self, optimizer):
         """Mark the gradients the scaler steps on, to tell later whether they were reset."""
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._stepped_grads[optimizer] = (
-                        weakref.ref(param), weakref.ref(param.grad), param.grad._version)
-                    return
+        param = _param_with_grad(optimizer)
+        if param is not None:
+            self._stepped_grads[optimizer] = (weakref.ref(param), _gradient_mark(param))
 
     def _grads_reset(self, optimizer) -> bool:
         """Whether ``optimizer``'s gradients were set to None or zeroed since its scaler step."""
-        mark = self._stepped_grads.get(optimizer)
-        if mark is None:
+        remembered = self._stepped_grads.get(optimizer)
+        if remembered is None:
             return False
-        param_ref, grad_ref, version = mark
-        param, grad = param_ref(), grad_ref()
-        if param is None:
-            return False
-        return grad is None or param.grad is not grad or grad._version != version
+        param_ref, mark = remembered
+        param = param_ref()
+        return param is not None and _written_since(param, mark)
 
     def _scaled_gradients(self, optimizer, state) -> bool:
         """Whether a scaled backward wrote the gradients of ``optimizer``, which ``state``'s
@@ -158,8 +153,7 @@ class StepBypassesScaler(Monitor):
         probe = self._probes.get(optimizer)
         if probe is not None and probe() is not None and probe().grad is not None:
             return
-        param = next((p for group in optimizer.param_groups for p in group["params"]
-                      if p.grad is not None), None)
+        param = _param_with_grad(optimizer)
         if param is not None:
             self._probes[optimizer] = weakref.ref(param)
 
@@ -177,7 +171,7 @@ class StepBypassesScaler(Monitor):
             return
         scaled, marks = running
         for optimizer, param, mark in marks:
-            if _gradient_mark(param) != mark:
+            if _written_since(param, mark):
                 self._written_by_scaled[optimizer] = scaled
 
     def _backward_starts(self, func, args, kwargs):
@@ -195,11 +189,27 @@ class StepBypassesScaler(Monitor):
                 "the loss scale never adapts"))
 
 
+def _param_with_grad(optimizer):
+    """A parameter of ``optimizer`` that has a gradient, or None."""
+    return next((p for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None), None)
+
+
 def _gradient_mark(param):
-    """What tells whether ``param``'s gradient was written: the tensor (new after ``zero_grad
-    (set_to_none=True)``) and its version (bumped by in-place accumulation)."""
+    """What tells later whether ``param``'s gradient was written: the tensor (a weak reference:
+    a new one after ``zero_grad(set_to_none=True)``) and its version (bumped in place by
+    accumulation and by ``zero_grad(set_to_none=False)``)."""
     grad = param.grad
-    return (None, 0) if grad is None else (id(grad), grad._version)
+    return (None, 0) if grad is None else (weakref.ref(grad), grad._version)
+
+
+def _written_since(param, mark) -> bool:
+    """Whether ``param``'s gradient changed since ``_gradient_mark`` took ``mark``."""
+    grad_ref, version = mark
+    grad = param.grad
+    if grad_ref is None:
+        return grad is not None
+    return grad is None or grad is not grad_ref() or grad._version != version
 
 
 def monitors(guard):

@@ -60,6 +60,7 @@ from astroid import nodes
 
 from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import (
+    MODULE_CONTAINERS,
     Callee,
     CutCache,
     argument_for,
@@ -196,8 +197,6 @@ PRESERVING_MODULES: FrozenSet[str] = frozenset(
 SAME_DTYPE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "grad"})
 #: How many module forwards (and functions) deep a call's output is followed.
 _MAX_FRAMES = 4
-#: ``torch.nn`` modules holding others.
-_CONTAINERS = frozenset({"Sequential", "ModuleList", "ModuleDict"})
 #: Methods converting to the dtype named by (or of) their argument.
 CONVERSIONS = frozenset({"to", "type", "type_as"})
 #: Ops returning ``(values, indices)``: values keep the input's dtype.
@@ -707,7 +706,7 @@ class Dtypes:
     def _torch_layer(self, construction: nodes.NodeNG) -> bool:
         """A ``torch.nn`` module that holds no other (``nn.Identity()``, ``nn.Conv2d(...)``)."""
         qualname = self.names.class_qualname(getattr(construction, "func", None)) or ""
-        return qualname.startswith("torch.nn.") and last_part(qualname) not in _CONTAINERS
+        return qualname.startswith("torch.nn.") and qualname not in MODULE_CONTAINERS
 
     def _in_frames(
         self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int, element: int = -1
