@@ -203,6 +203,8 @@ CONVERSIONS = frozenset({"to", "type", "type_as"})
 VALUES_AND_INDICES: FrozenSet[str] = frozenset(
     "topk max min sort kthvalue mode median nanmedian cummax cummin".split()
 )
+#: The fields of their results, by the index unpacking takes.
+RESULT_FIELDS: Dict[str, int] = {"values": 0, "indices": 1}
 #: Ops returning tensors of different dtypes (a mantissa and an int exponent, values and
 #: counts or pivots).
 MIXED_RESULTS: FrozenSet[str] = frozenset(
@@ -549,6 +551,10 @@ class Dtypes:
             return self._of(expr.value, depth)
         if isinstance(expr, nodes.Attribute) and expr.attrname in SAME_DTYPE_ATTRIBUTES:
             return self._of(expr.expr, depth)
+        if isinstance(expr, nodes.Attribute) and expr.attrname in RESULT_FIELDS:
+            # ``x.max(dim=2).values``: the named fields of ``(values, indices)`` results
+            if self._op_name(expr.expr) in VALUES_AND_INDICES:
+                return self._element(expr.expr, RESULT_FIELDS[expr.attrname], depth)
         if (
             isinstance(expr, nodes.Attribute)
             and expr.attrname in self.names.record_field_names
@@ -763,8 +769,7 @@ class Dtypes:
             if element is not None:
                 return element
         method, receiver = method_call(value)
-        callee = self.names.callee(value) if method is None else None
-        name = method or (callee.name if callee is not None else None)
+        name = self._op_name(value)
         source = receiver if method is not None else (value.args[0] if value.args else None)
         if name in VALUES_AND_INDICES:
             if index >= 2 or source is None:
@@ -775,6 +780,14 @@ class Dtypes:
         ):
             return None  # ``out, idx = F.max_pool2d(x, 2, return_indices=True)``
         return self._of(value, depth)
+
+    def _op_name(self, call: nodes.NodeNG) -> Optional[str]:
+        """``max`` for ``x.max(1)`` and ``torch.max(x, 1)``; None for other expressions."""
+        if not isinstance(call, nodes.Call):
+            return None
+        method = method_call(call)[0]
+        callee = self.names.callee(call) if method is None else None
+        return method or (callee.name if callee is not None else None)
 
     def _field(self, value: nodes.NodeNG, field: str, depth: int) -> Optional[str]:
         """The kind of the field ``field`` of the record ``value`` holds: ``out.value`` for

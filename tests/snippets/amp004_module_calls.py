@@ -1519,3 +1519,33 @@ def train_staged_cnn(images, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# The named fields of a (values, indices) result keep the input's dtype (PointNet's pooling).
+class PointPool(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = nn.Conv1d(3, dim, 1)
+
+    def forward(self, points):
+        return self.conv(points.transpose(1, 2)).max(dim=2).values
+
+
+class PointPoolIndices(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = nn.Conv1d(3, dim, 1)
+
+    def forward(self, points):
+        return self.conv(points.transpose(1, 2)).max(dim=2).indices
+
+
+def train_point_pool(points, optimizer):
+    pool, argmax = PointPool(16), PointPoolIndices(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        code = pool(points)
+        spread = code.std(dim=0).mean()  # AMP004
+        hits = argmax(points).float().mean()
+        loss = code.float().pow(2).mean() + spread.float() + 0.0 * hits
+    loss.backward()
+    optimizer.step()
