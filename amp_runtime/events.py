@@ -75,8 +75,10 @@ class Event:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def where(self) -> str:
-        """Module and source in one phrase, for messages."""
-        parts = (self.module and f"in {self.module}", self.source and f"at {self.source}")
+        """Module, call and source in one phrase, for messages."""
+        parts = (self.module and f"in {self.module}",
+                 "calls" in self.details and which_call(self.details),
+                 self.source and f"at {self.source}")
         return " ".join(p for p in parts if p)
 
     def __str__(self) -> str:
@@ -93,6 +95,11 @@ _OPTIONAL_STR, _OPTIONAL_INT = (str, type(None)), (int, type(None))
 _JSON_TYPES = {"code": str, "name": str, "severity": str, "message": str, "op": _OPTIONAL_STR,
                "module": _OPTIONAL_STR, "step": _OPTIONAL_INT, "source": _OPTIONAL_STR,
                "rank": _OPTIONAL_INT, "details": dict}
+
+
+def which_call(details: Dict[str, Any]) -> str:
+    """``(forward call 3 of 4)``: which of a step's calls of the model a replay found it in."""
+    return f"(forward call {details.get('call')} of {details.get('calls')})"
 
 
 class GuardError(RuntimeError):

@@ -56,7 +56,7 @@ from torch.compiler import is_compiling
 from torch.nn.modules import module as module_globals
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .events import FINDINGS, AmpRuntimeWarning
+from .events import FINDINGS, AmpRuntimeWarning, which_call
 from .mode import GuardMode
 from .monitors import Monitor, autograd_nodes, dtype_name, readable, tensors_in
 from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
@@ -120,6 +120,8 @@ class RootCall:
     optimizer_steps: int = 0
     #: Where the loop called the module (read once per module and remembered).
     location: Location = NOWHERE
+    #: The how-many-th root-module call of its step (1-based; counted past those not kept).
+    number: int = 1
 
 
 @dataclass
@@ -143,7 +145,8 @@ class Origin:
         if self.phase == "backward" and self.op == self.details.get("node"):
             return f"autograd node {self.op}" + (f" in {self.module}" if self.module else "")
         what = f"the backward of {self.op}" if self.phase == "backward" else str(self.op)
-        return f"{what} in {self.module}" if self.module else what
+        what = f"{what} in {self.module}" if self.module else what
+        return f"{what} {which_call(self.details)}" if "calls" in self.details else what
 
 
 @dataclass
@@ -646,6 +649,8 @@ class StepReplay(Monitor):
         #: What each replay did, newest last (bounded).
         self.outcomes: Deque[Outcome] = deque(maxlen=32)
         self.replaying = False
+        #: ``(number, of how many)`` of the root-module call being replayed.
+        self._replayed_call = (1, 1)
         self._bundle_written = False
         self._warned: Set[str] = set()
 
@@ -695,12 +700,14 @@ class StepReplay(Monitor):
         calls = self._calls.get(guard.step_index)
         if calls is None:
             calls = self._calls[guard.step_index] = deque(maxlen=MAX_CALLS_PER_STEP)
+        number = calls[-1].number + 1 if calls else 1
         calls.append(RootCall(
             module=module, args=args, kwargs=kwargs, rng=rng_state(), autocast=autocast_state(),
             training=module.training, traced=guard.tracing,
             versions=tuple(t._version for t in input_tensors(args, kwargs)),
             optimizer_steps=self._optimizer_steps,
             location=guard.tracker.loop_location(("root call", id(module))),
+            number=number,
         ))
 
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
@@ -737,9 +744,13 @@ class StepReplay(Monitor):
         is remembered as its step's forward cause."""
         if self.replaying:
             event.details["replayed"] = True
+            number, calls = self._replayed_call
+            if calls > 1:  # gradient accumulation, two views: which call failed
+                event.details.update(call=number, calls=calls)
         if event.code == "AMP101":  # the step's first one
+            which = {key: event.details[key] for key in ("call", "calls") if key in event.details}
             self._forward_causes.setdefault(event.step, Origin(
-                "forward", event.op, event.module, event.source, {"code": "AMP101"}))
+                "forward", event.op, event.module, event.source, {"code": "AMP101", **which}))
 
     def _step_judged(self, step: int, record) -> None:
         """Every reading of ``step`` has been judged: no request for it can come any more."""
@@ -852,6 +863,7 @@ class StepReplay(Monitor):
         op_trace = OpTrace(guard.tracker) if trace else None
         replayed_nonfinite: Set[int] = set()
         for call in calls:
+            self._replayed_call = (call.number, calls[-1].number)
             localizer = _Localizer(self) if localize else None
             # (owner, handler): the replay's mode runs them contained, as the guard's does
             handlers = [] if op_trace is None else [(self, op_trace.check)]

@@ -191,6 +191,7 @@ def test_a_one_off_bad_batch_is_localized():
     (event,) = g.report.by_code("AMP101")
     assert (event.step, event.module, event.source) == (5, "embed", EMBED_SOURCE)
     assert event.details["replayed"] is True
+    assert "calls" not in event.details  # one call of the model per step: nothing to tell
     assert [e.step for e in g.report.by_code("AMP112")] == [5]
     assert_same_run(train(**options), result)
 
@@ -259,6 +260,7 @@ def test_a_step_judged_late_is_replayed_when_its_grad_scaler_skipped_it():
     (event,) = g.report.by_code("AMP101")
     assert (event.step, event.module, event.source) == (5, "embed", EMBED_SOURCE)
     assert event.details["replayed"] is True
+    assert "calls" not in event.details  # one call of the model per step: nothing to tell
     (loss,) = g.report.by_code("AMP112")
     assert loss.step == 5 and loss.details["replay"]["skipped"] is None
     assert_same_run(train(**options), result)
@@ -492,6 +494,11 @@ def test_each_call_of_the_step_is_replayed_in_order():
     g, result = guarded(**options)
     (event,) = replayed(g)
     assert (event.step, event.module) == (3, "embed")
+    # which micro-batch: the event, its text, and the cause the loss check names
+    assert (event.details["call"], event.details["calls"]) == (3, 4)
+    assert "in embed (forward call 3 of 4) at" in str(event)
+    (loss_event,) = g.report.by_code("AMP112")
+    assert loss_event.details["replay"]["origin"]["call"] == 3
     assert_same_run(train(**options), result)
 
 
@@ -515,6 +522,7 @@ def test_two_root_modules_are_replayed_in_their_order():
             scaler.update()
     (event,) = replayed(g)
     assert (event.step, event.module, event.source) == (2, "blocks.2.fc2", FC2_SOURCE)
+    assert (event.details["call"], event.details["calls"]) == (2, 2)  # the decoder's
 
 
 def test_inputs_changed_in_place_after_the_forward_are_not_replayed():
