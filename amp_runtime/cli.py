@@ -494,6 +494,8 @@ def _outcome_line(outcome) -> str:
     origin = outcome.origin
     if origin is None:
         return f"{head} the replayed step stayed finite"
+    if origin.phase == "parameter":
+        return f"{head} {origin.clause()}"
     at = f" at {origin.source}" if origin.source else ""
     if origin.phase == "forward":
         return f"{head} the first NaN/Inf came from {origin.describe()}{at}"

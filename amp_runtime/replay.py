@@ -27,6 +27,9 @@ every weight), goes unexplained. Instead, the step is re-run:
   finite, the replay also runs a backward with a hook on every autograd node (see
   ``_Localizer``), and AMP103 names the layer whose backward first turned finite gradients
   non-finite (for a step a GradScaler skipped, AMP107/AMP108 name it: nothing else would).
+  Before all that, one pass over the trained parameters: one already NaN/Inf (a checkpoint saved
+  after an overflow, weights an unscaled step wrote NaN into) is where every op's NaN comes
+  from, and no op of the step can be blamed; it is the origin then.
 * Restore. RNG states, buffers (BatchNorm statistics) and training flags are put back; ``.grad``
   is never touched (the replayed backward uses ``torch.autograd.grad``). The user's run goes on
   bit-identical.
@@ -59,7 +62,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .events import FINDINGS, AmpRuntimeWarning, which_call
 from .mode import GuardMode
 from .monitors import Monitor, autograd_nodes, dtype_name, readable, tensors_in
-from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, report_trace
+from .monitors.forward import UNTRACED_FUNCTIONS, OpTrace, nonfinite_kind, report_trace
 from .monitors.grads import l2_norms, listing, nonfinite_gradients
 from .monitors.scaler import SKIPPED
 from .readings import Readings
@@ -128,7 +131,8 @@ class RootCall:
 class Origin:
     """Where a replay found a step's first non-finite value."""
 
-    #: "forward" (AMP101 found it) or "backward" (the first autograd node with non-finite grads).
+    #: "forward" (AMP101 found it), "backward" (the first autograd node with non-finite grads)
+    #: or "parameter" (a trained parameter already non-finite before the forward).
     phase: str
     op: Optional[str]
     module: Optional[str]
@@ -139,9 +143,21 @@ class Origin:
         return {"phase": self.phase, "op": self.op, "module": self.module, "source": self.source,
                 **self.details}
 
+    def clause(self) -> str:
+        """What a step-level finding (AMP112) adds about where the step's NaN/Inf came from."""
+        if self.phase == "parameter":
+            return f"the forward started from {self.describe()}"
+        where = f" at {self.source}" if self.source else ""
+        if self.phase == "forward":
+            return f"first non-finite output: {self.describe()}{where}, AMP101"
+        return f"first non-finite in {self.describe()}{where}"
+
     def describe(self) -> str:
         """``linear in blocks.2.fc2``; ``the backward of sqrt in head``; a node that no op of
         the replay created (a custom autograd Function's) by its own name."""
+        if self.phase == "parameter":
+            details = self.details
+            return f"the parameter {details['parameter']} ({details['kind']} before the forward)"
         if self.phase == "backward" and self.op == self.details.get("node"):
             return f"autograd node {self.op}" + (f" in {self.module}" if self.module else "")
         what = f"the backward of {self.op}" if self.phase == "backward" else str(self.op)
@@ -502,6 +518,25 @@ def _users_code(what: str, function: Callable, *args, **kwargs):
         raise ReplayError(f"the replayed {what} raised {type(err).__name__}: {err}") from None
 
 
+def _nonfinite_parameter(modules: Sequence[torch.nn.Module],
+                         readings: Readings) -> Optional[Origin]:
+    """The first trained parameter of ``modules`` holding NaN/Inf, as an origin: then every op
+    of the forward only propagates it. One fused pass (each one's largest magnitude, in its own
+    dtype: finite stays finite), one read. Buffers and frozen parameters are left out: a
+    ``-inf`` attention mask is often kept as one."""
+    named = [(name, param) for module in modules for name, param in module.named_parameters()
+             if param.requires_grad and readable(param)]
+    if not named:
+        return None
+    with torch.no_grad():
+        peaks = torch._foreach_norm([param.detach() for _, param in named], math.inf)
+    for (name, _), value in zip(named, readings.read_now(peaks)):
+        if not math.isfinite(value):
+            return Origin("parameter", None, name.rpartition(".")[0] or None, None,
+                          {"parameter": name, "kind": nonfinite_kind(value)})
+    return None
+
+
 def _is_leaf_node(node) -> bool:
     """A parameter's or input's gradient accumulator: not created by any op."""
     return not node.next_functions and node.name().endswith("AccumulateGrad")
@@ -788,8 +823,9 @@ class StepReplay(Monitor):
             details["replay"] = outcome.to_json()
         if origin is None:
             return {**kwargs, "details": details}
-        cause = f"caused by the non-finite output of {origin.describe()}, AMP101" \
-            if origin.phase == "forward" else f"first non-finite in {origin.describe()}"
+        cause = {"forward": f"caused by the non-finite output of {origin.describe()}, AMP101",
+                 "parameter": f"caused by {origin.describe()}"}.get(
+                     origin.phase, f"first non-finite in {origin.describe()}")
         details["origin"] = origin.to_json()
         return {**kwargs, "where": f"{kwargs['where']} ({cause})", "op": origin.op,
                 "module": origin.module, "source": origin.source, "details": details}
@@ -852,7 +888,9 @@ class StepReplay(Monitor):
                 with _preserved(modules), _eager():
                     if localize and observed is None:
                         observed = _nonfinite_grads(params, guard.readings)
-                    self._run(outcome, calls, trace, localize, params, observed)
+                    outcome.origin = _nonfinite_parameter(modules, guard.readings)
+                    if outcome.origin is None:
+                        self._run(outcome, calls, trace, localize, params, observed)
             finally:  # also when a finding or the guard's own code raises: the run stops there
                 self.replaying = False
                 self._save_once(outcome, calls, modules, observed)

@@ -233,13 +233,18 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP101", "nonfinite-forward", "P0", (RUNTIME,),
         "{op} produced {kind} from finite inputs",
-        "look at this op's inputs' magnitude; keep it in fp32 or rescale",
+        "look at this op's inputs: too large for fp16, or outside its domain (log or sqrt of "
+        "0 or less, division by 0); keep it in fp32, rescale, or use a stable form",
         "first op that turns finite inputs into NaN/Inf",
         """The first op whose output holds NaN or Inf while its inputs were finite is
         where the run broke; every later NaN is a consequence. In fp16 this is most
-        often an overflow past 65504 in a matmul, an exp or a sum.""",
+        often an overflow past 65504 in a matmul, an exp or a sum; otherwise an input
+        outside the op's domain, often one that low precision rounded there (a bf16
+        ``sigmoid`` of 8 is exactly 1.0, so ``log(1 - p)`` is ``-inf``).""",
         """Inspect the named module: keep it in fp32 (``torch.autocast(...,
-        enabled=False)`` plus ``.float()``), normalise its inputs, or use bf16.""",
+        enabled=False)`` plus ``.float()``), normalise its inputs, or use bf16; for a
+        domain error, the stable form (``F.logsigmoid``, ``F.binary_cross_entropy_with_logits``,
+        ``torch.log1p``) or a clamp.""",
     ),
     _rule(
         "AMP102", "near-overflow", "P1", (RUNTIME,),
@@ -299,7 +304,7 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP107", "loss-scale-collapse", "P0", (RUNTIME,),
         "loss scale collapsed to {scale:g} and is not rising{cause}",
-        "fix the op the replay names; trace='always' traces every step",
+        "fix the op or parameter the replay names; trace='always' traces every step",
         "loss scale at or below 1 and not recovering",
         """GradScaler halves the scale on every overflow. At a scale of 1 or less,
         every step still overflows: no step is taken and training has stalled.""",
@@ -310,7 +315,8 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP108", "loss-scale-decline", "P1", (RUNTIME,),
         "loss scale fell to {scale:g} ({reason}){cause}",
-        "repeated overflows: look for the op the replay names and AMP101/AMP102 events",
+        "repeated overflows: look for the op or parameter the replay names and AMP101/AMP102 "
+        "events",
         "loss scale declining",
         """Five consecutive decreases once a step has gone through, a scale below 1/100
         of its initial value, or below 128 and falling means overflows keep happening
@@ -350,16 +356,18 @@ _RULES: Tuple[Rule, ...] = (
     ),
     _rule(
         "AMP112", "nonfinite-loss", "P0", (RUNTIME,),
-        "loss is {kind} when backward starts",
-        "fix the first non-finite op: this step's AMP101 where the model made it, else the "
-        "loss or its inputs (labels, targets)",
+        "loss is {kind} when backward starts{cause}",
+        "fix the first non-finite value: this step's AMP101 where the model made it, a "
+        "parameter already non-finite, else the loss or its inputs (labels, targets)",
         "NaN/Inf loss at backward",
         """A NaN/Inf loss propagates into every gradient. Without a GradScaler the
         step corrupts the weights; with one, it is skipped and the scale drops.""",
         """Fix the first op producing NaN/Inf: where the model's forward made it, the
-        replay of this step names it (AMP101); where the replay finds none, look at the
-        loss and what it was given (a NaN label). ``details["replay"]`` says why when it
-        could not run (then ``trace="always"`` traces every step).""",
+        replay of this step names it (AMP101), or the trained parameter that was already
+        NaN/Inf before the forward (a checkpoint saved after an overflow); where the replay
+        finds neither, look at the loss and what it was given (a NaN label).
+        ``details["replay"]`` says why when it could not run (then ``trace="always"`` traces
+        every step).""",
     ),
 )
 

@@ -110,7 +110,7 @@ def test_report_summary_groups_by_code_and_source_with_counts():
     report = Report([
         Event.create("AMP102", op="linear", source="m.py:9", value=61000.0),
         Event.create("AMP102", op="linear", source="m.py:9", value=62000.0),
-        Event.create("AMP112", source="train.py:30", kind="nan"),
+        Event.create("AMP112", source="train.py:30", kind="nan", cause=""),
     ])
     lines = report.summary().splitlines()
     assert lines[0].split()[:4] == ["code", "sev", "count", "steps"]
@@ -121,7 +121,7 @@ def test_report_summary_groups_by_code_and_source_with_counts():
 
 
 def test_report_summary_keeps_whole_messages_unless_given_a_width():
-    report = Report([Event.create("AMP112", source="train.py:30", kind="nan")])
+    report = Report([Event.create("AMP112", source="train.py:30", kind="nan", cause="")])
     message = report.events[0].message
     assert message in report.summary()
     narrow = report.summary(width=80)
@@ -136,7 +136,7 @@ def test_corrupt_events_file_names_the_line(tmp_path):
 
 
 def test_guard_error_carries_the_event():
-    event = Event.create("AMP112", kind="nan")
+    event = Event.create("AMP112", kind="nan", cause="")
     error = GuardError(event)
     assert error.event is event and "AMP112" in str(error)
 

@@ -24,7 +24,7 @@ def explosion(step, norm):
 
 def test_a_report_keeps_the_first_occurrences_and_the_latest_and_counts_all():
     report = Report(explosion(step, 200.0 + step) for step in range(1000))
-    report.add(Event.create("AMP112", kind="nan", source="train.py:38", step=999))
+    report.add(Event.create("AMP112", kind="nan", cause="", source="train.py:38", step=999))
     assert len(report) == 1001
     assert report.codes() == {"AMP104": 1000, "AMP112": 1}
     assert report.severities() == {"P1": 1000, "P0": 1}
@@ -45,7 +45,7 @@ def test_a_report_keeps_the_first_occurrences_and_the_latest_and_counts_all():
 
 def test_a_report_selects_groups_with_their_exact_counts():
     report = Report(explosion(step, 300.0) for step in range(50))
-    report.add(Event.create("AMP112", kind="nan", step=3))
+    report.add(Event.create("AMP112", kind="nan", cause="", step=3))
     selected = report.select(lambda group: group.code == "AMP104")
     assert selected.codes() == {"AMP104": 50} and len(selected) == 50
 

@@ -120,7 +120,7 @@ def test_select_and_ignore_filter_by_prefix():
     with amp_runtime.guard(policy="record", select=["AMP1"], ignore=["AMP102"]) as g:
         assert g.emit("AMP004", op="sum", dtype="float16") is None
         assert g.emit("AMP102", op="mul", value=61000.0) is None
-        event = g.emit("AMP112", op="backward", kind="NaN")
+        event = g.emit("AMP112", op="backward", kind="NaN", cause="")
     assert [e.code for e in g.report] == ["AMP112"]
     assert event.step == 0 and event.severity == "P0"
 
@@ -149,7 +149,7 @@ def test_policy_raise_stops_at_or_above_raise_at():
         with pytest.warns(AmpRuntimeWarning, match="AMP004"):  # below raise_at: a warning
             assert g.emit("AMP004", op="sum", dtype="float16") is not None
         with pytest.raises(GuardError) as caught:
-            g.emit("AMP112", op="backward", kind="NaN")
+            g.emit("AMP112", op="backward", kind="NaN", cause="")
     assert caught.value.event.code == "AMP112"
     assert g.report.codes() == {"AMP004": 1, "AMP112": 1}
 
@@ -183,7 +183,7 @@ def test_nested_guard_checks_and_reports_to_the_outer(tmp_path):
             assert _get_current_function_mode_stack() == [inner._mode]
             assert outer.suspended and not inner.suspended
             assert outer.emit("AMP004", op="sum", dtype="float16") is None
-            inner.emit("AMP112", op="backward", kind="NaN")
+            inner.emit("AMP112", op="backward", kind="NaN", cause="")
         assert not outer.suspended
         assert _get_current_function_mode_stack() == [outer._mode]
         outer.emit("AMP004", op="sum", dtype="float16")

@@ -196,6 +196,47 @@ def test_a_one_off_bad_batch_is_localized():
     assert_same_run(train(**options), result)
 
 
+def test_a_weight_already_infinite_before_step_0_is_named_as_the_origin():
+    # an fp16 checkpoint saved after an overflow: no op of any step is to blame
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.blocks[2].fc2.weight[0, 0] = float("inf")
+    g, _ = guarded(steps=10, scaler=True, model=model)
+    assert not g.report.by_code("AMP101")
+    first = g.report.by_code("AMP112")[0]
+    assert first.step == 0
+    assert first.details["replay"]["origin"] == {
+        "phase": "parameter", "op": None, "module": "blocks.2.fc2", "source": None,
+        "parameter": "blocks.2.fc2.weight", "kind": "inf"}
+    assert ("loss is NaN when backward starts; the forward started from the parameter "
+            "blocks.2.fc2.weight (inf before the forward)") in first.message
+    (decline, *_) = g.report.by_code("AMP108")  # every step is skipped: the scale falls
+    assert "skipped steps start from the parameter blocks.2.fc2.weight" in decline.message
+
+
+class MaskedAttentionNet(Net):
+    """Keeps ``-inf`` in a buffer and in a frozen parameter, as attention masks often are."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("causal", torch.full((8, 8), float("-inf")).triu(1))
+        self.frozen_bias = nn.Parameter(torch.full((8,), float("-inf")), requires_grad=False)
+
+    def forward(self, x, mask=None):
+        weights = torch.softmax(self.causal + self.frozen_bias.clamp(min=0), dim=-1)
+        return super().forward(weights.to(x.dtype) @ x, mask)
+
+
+def test_an_infinite_mask_kept_in_a_buffer_or_frozen_parameter_is_not_blamed():
+    options = dict(steps=8, scaler=True, bad_batch={5})
+    g, result = guarded(model=MaskedAttentionNet(), **options)
+    (event,) = g.report.by_code("AMP101")  # the bad batch meets the mask's matmul first
+    assert (event.step, event.module, event.op) == (5, "MaskedAttentionNet", "matmul")
+    assert g.report.by_code("AMP112")[0].details["replay"]["origin"]["phase"] == "forward"
+    assert_same_run(train(model=MaskedAttentionNet(), **options), result)
+
+
 def test_policy_raise_stops_at_the_faulty_op_before_the_optimizer_applies_the_step():
     torch.manual_seed(0)
     model = Net()
@@ -734,6 +775,9 @@ for step in range(7):
             model.blocks[1].fc2.weight.mul_(1e6)
     if step == 5 and fault == "backward":
         mask[4] = 0
+    if step == 5 and fault == "parameter":
+        with torch.no_grad():
+            model.blocks[1].fc2.weight[0, 0] = float("inf")
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.mse_loss(model(x, mask=mask).float(), torch.zeros(8, 1))
     optimizer.zero_grad()
@@ -750,11 +794,13 @@ def amp_runtime_cli(*args, cwd):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A project whose training broke at step 5, run under ``python -m amp_runtime run``: in the
-    forward (logs/), and in the backward only (logs-backward/)."""
+    forward (logs/), in the backward only (logs-backward/), and from a weight set to inf
+    (logs-parameter/)."""
     folder = tmp_path_factory.mktemp("project")
     (folder / "model.py").write_text(MODEL_FILE)
     (folder / "train.py").write_text(TRAIN_FILE)
-    for fault, out in (("forward", "logs"), ("backward", "logs-backward")):
+    for fault, out in (("forward", "logs"), ("backward", "logs-backward"),
+                       ("parameter", "logs-parameter")):
         ran = amp_runtime_cli("run", "--out", out, "--no-report", "train.py", fault, cwd=folder)
         assert ran.returncode == 0, ran.stderr
     return folder
@@ -782,6 +828,14 @@ def test_the_failing_step_is_saved_and_replays_offline(project):
     (event,) = [e for e in as_json["events"] if e["code"] == "AMP101"]
     assert (event["step"], event["module"]) == (5, "blocks.1.fc2")
     assert as_json["outcome"]["origin"]["phase"] == "forward"
+
+
+def test_a_weight_already_infinite_replays_offline_to_that_parameter(project):
+    done = amp_runtime_cli("replay", "logs-parameter/repro-step5.pt", "--model", "model.py:build",
+                           cwd=project)
+    assert done.returncode == 0, done.stderr
+    assert ("replay of step 5 (AMP112): the forward started from the parameter "
+            "blocks.1.fc2.weight (inf before the forward)") in done.stdout
 
 
 def test_a_backward_fault_replays_offline_to_the_same_layer(project):

@@ -380,7 +380,9 @@ class ForwardMonitor(Monitor):
         nonfinite = [value for value in losses if not math.isfinite(value)]
         if nonfinite:
             replay = self.guard.request_replay("AMP112", step)  # its AMP101 comes first
+            origin = None if replay is None else replay.cause()
             self.guard.emit("AMP112", op="backward", kind=nonfinite_kind(nonfinite[0]),
+                            cause="" if origin is None else f"; {origin.clause()}",
                             location=location, step=step,
                             details={} if replay is None else {"replay": replay.to_json()})
             self.guard.request_tracing("AMP112")
