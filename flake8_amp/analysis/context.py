@@ -256,7 +256,9 @@ class GradContext:
         scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
-            if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
+            if isinstance(current, nodes.FunctionDef) or (
+                isinstance(current, nodes.ClassDef) and _kept_on_self(node)
+            ):
                 if named_for_training(current.name):
                     return True
             current = current.parent
@@ -660,7 +662,8 @@ def _returned(node: nodes.NodeNG, function: nodes.FunctionDef) -> bool:
     """The value of ``node``'s method chain leaves ``function`` through ``return``: the
     return statement holds it (``return x.half()``, ``return {k: v.half() ...}``, ``return
     a, b``) or a name it is assigned to or casts in place (``model = model.half()`` /
-    ``model.half()`` ... ``return model``)."""
+    ``model.half()`` ... ``return model``), other than through a comparison (``return buf >
+    0`` hands over booleans)."""
     top = chain_top(node, CHAIN_METHODS)
     statement = top.statement()
     if isinstance(statement, nodes.Return):
@@ -672,11 +675,20 @@ def _returned(node: nodes.NodeNG, function: nodes.FunctionDef) -> bool:
     if not target or "." in target:
         return False
     return any(
-        isinstance(sub, nodes.Name) and sub.name == target
+        isinstance(sub, nodes.Name) and sub.name == target and not _compared(sub, ret)
         for ret in function.nodes_of_class(nodes.Return, skip_klass=nodes.FunctionDef)
         if ret.value is not None
         for sub in ret.value.nodes_of_class(nodes.Name)
     )
+
+
+def _compared(node: nodes.NodeNG, within: nodes.NodeNG) -> bool:
+    """``node`` is an operand of a comparison inside ``within``."""
+    while node is not within and node is not None:
+        if isinstance(node.parent, nodes.Compare):
+            return True
+        node = node.parent
+    return False
 
 
 def _kept_on_self(node: nodes.NodeNG) -> bool:

@@ -139,7 +139,8 @@ PRESERVING: FrozenSet[str] = frozenset(
     clamp_min clamp_max clamp_min_ clamp_max_ logsigmoid hardsigmoid softsign tanhshrink glu
     nan_to_num triu tril diagonal movedim swapaxes unbind tensor_split split_with_sizes hsplit
     vsplit dsplit diag diag_embed diagflat take_along_dim new_zeros new_ones new_empty new_full
-    scatter scatter_ scatter_add scatter_add_ index_fill index_fill_""".split()
+    scatter scatter_ scatter_add scatter_add_ index_fill index_fill_ logcumsumexp logaddexp
+    logaddexp2 lerp erf erfc sign sgn floor ceil trunc frac hypot fmod remainder""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -553,7 +554,7 @@ class Dtypes:
             return self._of(expr.expr, depth)
         if isinstance(expr, nodes.Attribute) and expr.attrname in RESULT_FIELDS:
             # ``x.max(dim=2).values``: the named fields of ``(values, indices)`` results
-            if self._op_name(expr.expr) in VALUES_AND_INDICES:
+            if self.op_name(expr.expr) in VALUES_AND_INDICES:
                 return self._element(expr.expr, RESULT_FIELDS[expr.attrname], depth)
         if (
             isinstance(expr, nodes.Attribute)
@@ -769,7 +770,7 @@ class Dtypes:
             if element is not None:
                 return element
         method, receiver = method_call(value)
-        name = self._op_name(value)
+        name = self.op_name(value)
         source = receiver if method is not None else (value.args[0] if value.args else None)
         if name in VALUES_AND_INDICES:
             if index >= 2 or source is None:
@@ -781,7 +782,7 @@ class Dtypes:
             return None  # ``out, idx = F.max_pool2d(x, 2, return_indices=True)``
         return self._of(value, depth)
 
-    def _op_name(self, call: nodes.NodeNG) -> Optional[str]:
+    def op_name(self, call: nodes.NodeNG) -> Optional[str]:
         """``max`` for ``x.max(1)`` and ``torch.max(x, 1)``; None for other expressions."""
         if not isinstance(call, nodes.Call):
             return None

@@ -348,11 +348,14 @@ class Names:
     @functools.cached_property
     def root_model(self) -> Optional[nodes.ClassDef]:
         """The one class of this module that is an ``nn.Module`` with a ``forward`` and that no
-        code here builds, when every other such class is built in one of the classes' code (a
-        model file: blocks, heads and losses, and the model they make up); None otherwise."""
+        other such class builds, when every other such class is built in one of the classes'
+        code (a model file: blocks, heads and losses, and the model they make up, which its
+        training functions may build); None otherwise."""
         modules = [c for c in self.module_classes if self._is_module_class(c)]
         builds = [(call, self._called_class(call)) for call in self.module_calls]
-        roots = [c for c in modules if all(built is not c for _, built in builds)]
+        roots = [c for c in modules
+                 if not any(built is c and any(owner.parent_of(call) for owner in modules)
+                            for call, built in builds)]
         if len(roots) != 1:
             return None
         root = roots[0]

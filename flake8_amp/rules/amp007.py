@@ -6,7 +6,8 @@ other tensor's dtype), ``F.pad(x, pad, value=...)`` and indexed assignment (``x[
 
 The fill is judged by the tensor it lands on: known fp16 (or fp16/bf16) is a finding;
 known fp32, bf16 or integer is fine; unknown is a finding inside an autocast region
-(not bf16) and in model code (methods of ``nn.Module`` classes and the functions of a
+(not bf16; a tensor an op on CUDA autocast's fp32 list made is fp32 there unless the region
+is CPU autocast's) and in model code (methods of ``nn.Module`` classes and the functions of a
 module that defines them), where the tensor is whatever dtype the caller runs in.
 Literals are followed through names (``NEG_INF = -1e9``, ``self.mask_value``); a
 dtype-conditional value (``-1e9 if x.dtype == torch.float32 else -1e4``) is fine, and so is
@@ -23,7 +24,7 @@ from astroid import nodes
 
 from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.context import name_words
-from flake8_amp.analysis.dtypes import BF16, FP16, FP32, INT, LOW
+from flake8_amp.analysis.dtypes import BF16, CUDA_FP32_OPS, FP16, FP32, INT, LOW
 from flake8_amp.analysis.names import (
     attribute_not_in,
     call_argument,
@@ -31,6 +32,7 @@ from flake8_amp.analysis.names import (
     last_part,
     method_call,
 )
+from flake8_amp.analysis.regions import CPU
 from flake8_amp.analysis.scaler import expression_key
 from flake8_amp.catalog import FP16_MAX
 from flake8_amp.engine import Check
@@ -206,10 +208,22 @@ class Fp16OverflowLiteral(Check):
             return False  # fp32 on one path, bf16 on another: never fp16
         region = self.context.regions.autocast_at(node)
         if region is not None:
-            return region.dtype != BF16
+            return region.dtype != BF16 and not self._made_fp32(typed, region)
         # Unknown dtype outside a region: model code's activations may arrive in fp16 from the
         # caller's autocast; under no_grad there are none (targets, matching costs, masks).
         return _in_model_code(node) and not self.context.grad.no_grad_at(node)
+
+    def _made_fp32(self, tensor: Optional[nodes.NodeNG], region) -> bool:
+        """Every value ``tensor`` holds comes from an op CUDA autocast runs in fp32
+        (``logp = F.log_softmax(...)``) in a region that is not CPU autocast's (an unknown
+        device counts as CUDA, as for AMP004); the dtype flow leaves it unknown where only
+        evaluation code, without gradients, runs it."""
+        if tensor is None or region.device == CPU:
+            return False
+        values = (self.context.names.assigned_values(tensor) if isinstance(tensor, nodes.Name)
+                  else [tensor])
+        return bool(values) and all(
+            self.context.dtypes.op_name(value) in CUDA_FP32_OPS for value in values)
 
 
 def _dtype_owner(dtype_node: nodes.NodeNG) -> Optional[nodes.NodeNG]:

@@ -7,7 +7,8 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
   function that uses and names no scaler
   (``loss_scaler(loss, optimizer)``) and that no ``GradScaler`` of the file can reach
   (one kept in another function's local variable cannot);
-- in a function that uses a GradScaler (builds one, or scales or unscales with it), an
+- in a function that uses a GradScaler (builds one, or scales or unscales with it) or that
+  one of the file's can reach while it names none, an
   fp16 region of its own whose loss a plain backward backpropagates: every assignment of
   the name that reaches the backward is in the region, and the backward runs whatever the
   flags say (no ``if``/``else`` around it, not after ``if use_amp: ...; continue``);
@@ -47,6 +48,9 @@ from flake8_amp.analysis.scaler import backpropagated_tensor, reaches_backward, 
 from flake8_amp.engine import Check, mentions_autocast
 
 
+NO_SCALER = "fp16 autocast and backward() with no GradScaler: small gradients flush to zero"
+
+
 class ScalerDtypeMismatch(Check):
     """fp16 gradients underflow without loss scaling; bf16 does not need it."""
 
@@ -76,17 +80,15 @@ class ScalerDtypeMismatch(Check):
         fp16 = own + self._fp16_with_grad(self._helper_regions(scope)) if backwards else []
         if fp16 and not self._mentions_scaler(scope):
             opener, region = fp16[0]
-            self.report(
-                region.source or opener,
-                detail="fp16 autocast and backward() with no GradScaler: "
-                "small gradients flush to zero",
-            )
+            self.report(region.source or opener, detail=NO_SCALER)
         elif own:
+            uses_one = bool(scaler_analysis(self.context).flow(scope).scalers)
             for opener, region in self._bypassing_the_scaler(scope, own, backwards):
                 self.report(
                     region.source or opener,
                     detail="fp16 autocast whose loss goes through a plain backward() "
-                    "though a GradScaler is used here: small gradients flush to zero",
+                    "though a GradScaler is used here: small gradients flush to zero"
+                    if uses_one else NO_SCALER,
                 )
         self._scopes.append((scope, entries))
 
@@ -177,12 +179,14 @@ class ScalerDtypeMismatch(Check):
         fp16: List[Tuple[nodes.NodeNG, Region]],
         backwards: List[Tuple[nodes.Call, nodes.NodeNG]],
     ) -> List[Tuple[nodes.NodeNG, Region]]:
-        """The regions of ``fp16`` (opened in ``scope``, which uses a GradScaler) whose loss
-        a plain backward backpropagates: a name whose every reaching binding is made,
-        unscaled, inside the region, by a backward that runs whatever the flags say
-        (``if scaler: ... else: loss.backward()`` is the no-scaler path)."""
+        """The regions of ``fp16`` (opened in ``scope``, which uses a GradScaler or one of
+        the file's can reach) whose loss a plain backward backpropagates: a name whose every
+        reaching binding is made, unscaled, inside the region, by a backward that runs
+        whatever the flags say (``if scaler: ... else: loss.backward()`` is the no-scaler
+        path). A scaler that only reaches ``scope`` can scale a loss made outside the region
+        (``loss = self.scale_loss(loss)``), not one made and backpropagated here."""
         flow = scaler_analysis(self.context).flow(scope)
-        if not flow.scalers:
+        if not flow.scalers and self._names_scaler(scope):
             return []
         names = self.context.names
         by_statement = {_opened_by(opener): (opener, region) for opener, region in fp16}
@@ -237,11 +241,15 @@ class ScalerDtypeMismatch(Check):
 
     def _mentions_scaler(self, scope: nodes.NodeNG) -> bool:
         """The function uses or names a scaler (``loss_scaler``...), or a ``GradScaler`` of the
-        file can reach it. A name that holds only objects of this file's classes that scale
-        no loss (a data normaliser: ``self.scaler = StandardScaler(...)``) does not count."""
+        file can reach it."""
         analysis = scaler_analysis(self.context)
-        if analysis.flow(scope).scalers or analysis.scaler_reaches(scope):
-            return True
+        return bool(analysis.flow(scope).scalers) or analysis.scaler_reaches(scope) \
+            or self._names_scaler(scope)
+
+    def _names_scaler(self, scope: nodes.NodeNG) -> bool:
+        """An identifier of ``scope`` names a scaler (``loss_scaler(loss, optimizer)``). A name
+        that holds only objects of this file's classes that scale no loss (a data normaliser:
+        ``self.scaler = StandardScaler(...)``) does not count."""
         return any("scaler" in word.lower()
                    and not (isinstance(node, (nodes.Name, nodes.Attribute))
                             and self._holds_no_loss_scaler(node))

@@ -936,3 +936,49 @@ def main_control(unet, controlnet, loader):
     controlnet = controlnet.to("cuda", dtype=torch.bfloat16)  # AMP001
     optimizer = torch.optim.AdamW(controlnet.parameters(), lr=1e-5)
     train_control_branch(unet, controlnet, optimizer, loader)
+
+
+# A trainer's helper that packs stop flags for a collective returns booleans, not the cast.
+class StopFlagTrainer:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.bad_epochs = model, optimizer, 0
+
+    def fit(self, loader, epochs):
+        for _ in range(epochs):
+            for x, y in loader:
+                loss = self.model(x, y)
+                loss.backward()
+                self.optimizer.step()
+            stop = torch.tensor([float(self.bad_epochs >= 3)])
+            if self._agree(stop).item():
+                break
+
+    def _agree(self, flags):
+        packed = flags.to(torch.float16)
+        torch.distributed.all_reduce(packed)
+        return packed > 0
+
+    def _batch(self, x):
+        return x.to(torch.float16)  # AMP001
+
+    def fit_on_batches(self, loader):
+        for x, y in loader:
+            loss = self.model(self._batch(x), y)
+            loss.backward()
+            self.optimizer.step()
+
+
+# A local value of a method nothing trains with is not judged by the class's name.
+class HistogramTrainer:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def train_epoch(self, loader):
+        for x, y in loader:
+            loss = self.model(x, y)
+            loss.backward()
+            self.optimizer.step()
+
+    def activation_histogram(self, values):
+        compact = values.to(torch.float16)
+        return torch.histc(compact.float(), bins=10)

@@ -414,3 +414,12 @@ def test_fp16_scores_in_training_mode(generator, critic, z):
     with torch.autocast("cuda", dtype=torch.float16):
         scores = torch.nn.functional.linear(generator(z), critic)
         assert torch.isfinite(scores.mean())
+
+
+def train_log_space_scan(x, optimizer):
+    proj = torch.nn.Linear(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log_h = torch.logcumsumexp(proj(x), dim=1)
+        energy = log_h.exp().pow(2).mean()  # AMP004
+    energy.float().backward()
+    optimizer.step()

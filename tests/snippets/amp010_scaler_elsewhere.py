@@ -85,3 +85,28 @@ class Fp16ClassTrainer:
             else:
                 loss.backward()
                 optimizer.step()
+
+
+# ---- a scaler factory no code here calls: its scaler may reach any function, yet a loss made
+# and backpropagated in a function that names no scaler is not scaled by it ----------------
+def make_scaler(enabled=True):
+    return torch.amp.GradScaler("cuda", enabled=enabled)
+
+
+def train_probe_without_scaler(backbone, head, loader, optimizer):
+    for x, y in loader:
+        with torch.no_grad():
+            feats = backbone(x)
+        with torch.autocast("cuda", dtype=torch.float16):  # AMP010
+            loss = torch.nn.functional.cross_entropy(head(feats), y)
+        loss.backward()
+        optimizer.step()
+
+
+def train_scaling_through_a_helper(model, loader, optimizer, prepare):
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        loss = prepare(loss)
+        loss.backward()
+        optimizer.step()
