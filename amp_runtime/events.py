@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
-from flake8_amp.catalog import rule, severity_rank
+from flake8_amp.catalog import STATIC, rule, severity_rank
 
 #: Version tag of ``Report.to_json()`` (2: events kept, exact counts and groups; the log holds
 #: totals records for repeated events, ``REPEATS``).
@@ -95,6 +95,12 @@ _OPTIONAL_STR, _OPTIONAL_INT = (str, type(None)), (int, type(None))
 _JSON_TYPES = {"code": str, "name": str, "severity": str, "message": str, "op": _OPTIONAL_STR,
                "module": _OPTIONAL_STR, "step": _OPTIONAL_INT, "source": _OPTIONAL_STR,
                "rank": _OPTIONAL_INT, "details": dict}
+
+
+def _seen_on_watched_steps(code: str) -> bool:
+    """The guard checks ``code`` on watched steps only (``Thresholds.watch_steps``/``watch_every``):
+    a code pattern, or a sampled numeric check."""
+    return STATIC in rule(code).enforcers or code in ("AMP110", "AMP111")
 
 
 def which_call(details: Dict[str, Any]) -> str:
@@ -351,6 +357,10 @@ class Report:
 
         lines = [line(header), line(tuple("-" * w for w in widths) + ("-" * 7,))]
         lines += [line(r) for r in rows]
+        if any(_seen_on_watched_steps(group.code) for group in self._groups.values()):
+            lines.append("(code patterns, AMP0xx, and AMP110/AMP111 are checked on watched steps, "
+                         "by default the first 8 and then one in 16: their steps are the ones they "
+                         "were seen on)")
         total = self.severities()
         counts = ", ".join(f"{total[s]} {s}" for s in sorted(total))
         lines.append(f"{sum(total.values())} event(s): {counts}")

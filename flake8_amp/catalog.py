@@ -282,7 +282,8 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP105", "grad-vanishing", "P1", (RUNTIME,),
         "{detail}",
-        "check initialisation, activations and normalisation of these layers",
+        "check the loss's magnitude (a tiny loss gives tiny gradients everywhere), then "
+        "initialisation, activations and normalisation of the layers named",
         "gradients vanishing (total or per layer)",
         """A total gradient norm below 1e-6, or a layer whose gradients are all below
         1e-10 (including exactly zero), means those weights no longer learn.""",
