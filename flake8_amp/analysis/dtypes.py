@@ -48,8 +48,9 @@ in turn (or, for a list built in a loop, needs every element to keep its input's
 those producing one same kind). Where no region is known, a low-precision op on fp32 input
 is unknown in a function that a caller elsewhere may run under autocast: one with no call
 in the module, or called only from such functions (a model's layers under a Lightning
-``training_step``). Regions are those of the call sites with gradients on (the training run). A
-model from elsewhere stays unknown.
+``training_step``). Regions are those the call sites with gradients on run a function in with
+mixed precision on (the training run; :meth:`Regions.training_region`). A model from elsewhere
+stays unknown.
 """
 
 from __future__ import annotations
@@ -383,17 +384,17 @@ class Dtypes:
 
     def region_at(self, node: nodes.NodeNG) -> Optional[Region]:
         """The active autocast region at ``node`` for the dtype flow: in a function followed
-        from a call, its own region or else its caller's; elsewhere the region of the
-        module's call sites with gradients on (the training run: a function also called
-        from ``no_grad`` evaluation outside autocast still runs under autocast when it
-        trains)."""
+        from a call, its own region or else its caller's; elsewhere the region the module's
+        call sites with gradients on run it in with mixed precision on (the training run: a
+        function also called from ``no_grad`` evaluation, or from an fp32 branch of ``if
+        use_amp:``, outside autocast still runs under autocast when it trains with it)."""
         frame = code_frame(node)
         for function, caller_region, _, _ in reversed(self._frames):
             if function is frame:
                 found, region = self.regions.local_region(node)
                 region = region if found else caller_region
                 return region if region is not None and region.active else None
-        return self.regions.autocast_at(node, with_grad=True)
+        return self.regions.training_region(node)
 
     def _autocast_known_off(self, node: nodes.NodeNG) -> bool:
         """No caller can have autocast on at ``node``: module-level code, code followed from a
@@ -649,12 +650,14 @@ class Dtypes:
         return self._unpacked(binding, depth)
 
     def _parameter_kind(
-        self, parameter: nodes.AssignName, depth: int, element: int = -1
+        self, parameter: nodes.AssignName, depth: int, element: Union[int, str] = -1
     ) -> Optional[str]:
         """What the call passes, in a function followed from a call; elsewhere the one kind
         every call site of the function in this module passes (``self.mbstd(out)`` with
         ``out`` fp16 makes ``x`` fp16 in ``MinibatchStdDev.forward``). With ``element``, the
-        kind of that element of what is passed (``x_s, x_f = x`` for ``fuse([x_s, x_f])``)."""
+        kind of that element of what is passed (``x_s, x_f = x`` for ``fuse([x_s, x_f])``),
+        or of that field of the record passed (``outputs.pred_logits`` in a matcher handed the
+        model's outputs)."""
         arguments = parameter.parent
         function = arguments.parent
         if not isinstance(function, nodes.FunctionDef):
@@ -663,13 +666,13 @@ class Dtypes:
             followed, _, call, first_input = self._frames[index]
             if followed is function:
                 if first_input is not FROM_CALL and arguments.args[1:2] == [parameter]:
-                    return first_input[0] if element < 0 else None
+                    return first_input[0] if element == -1 else None
                 argument = argument_for(call, arguments, parameter.name)
                 return self._in_frames(self._frames[:index], argument, depth, element)
         kinds = set()
         forward = function.name == "forward" and isinstance(function.parent, nodes.ClassDef)
         for site in self._training_sites(function):
-            if forward and element < 0 and not self.names.may_run(site.func, function):
+            if forward and element == -1 and not self.names.may_run(site.func, function):
                 # an element of an ``nn.Sequential`` called at ``site``: fed by the one before
                 kinds.add(self._sequence_input(site, function, arguments, parameter, depth))
             else:
@@ -716,16 +719,17 @@ class Dtypes:
         return qualname.startswith("torch.nn.") and qualname not in MODULE_CONTAINERS
 
     def _in_frames(
-        self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int, element: int = -1
+        self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int,
+        element: Union[int, str] = -1,
     ) -> Optional[str]:
-        """The kind of ``expr`` (or of its element ``element``) evaluated with ``frames``
-        followed (its caller's view)."""
+        """The kind of ``expr`` (or of its element or field ``element``) evaluated with
+        ``frames`` followed (its caller's view)."""
         if expr is None:
             return None
         saved = self._frames
         self._frames = frames
         try:
-            return self._of(expr, depth) if element < 0 else self._element(expr, element, depth)
+            return self._returned(expr, element, depth)
         finally:
             self._frames = saved
 
@@ -799,6 +803,9 @@ class Dtypes:
         if isinstance(value, nodes.Name):
             kinds = set()
             for binding in self.names.earlier_bindings(value):
+                if isinstance(binding.parent, nodes.Arguments):  # the record a caller passes
+                    kinds.add(self._parameter_kind(binding, depth + 1, element=field))
+                    continue
                 assigned = literal_value(binding)  # also ``s1, s2 = net(a), net(b)``
                 kinds.add(self._field(assigned, field, depth + 1) if assigned is not None else None)
             return kinds.pop() if len(kinds) == 1 else None
@@ -946,6 +953,13 @@ class Dtypes:
             return self._op(call, op, self._tensors(first, depth))
         if op == "where" and len(call.args) == 3 and not call.keywords:
             return self._promote(call.args[1], call.args[2], depth)  # not the condition's
+        if op == "einsum":
+            operands = call.args[1:]
+            if len(operands) == 1 and isinstance(operands[0], (nodes.List, nodes.Tuple)):
+                operands = operands[0].elts
+            if len(operands) == 1 and not isinstance(operands[0], nodes.Starred):
+                # one operand (``"nchpwq->nhwpqc"``): a permutation or sum, no matmul to cast
+                return self._of(operands[0], depth)
         return self._op(call, op, self._of(first, depth) if first is not None else None)
 
     def _method(self, call: nodes.Call, func: nodes.Attribute, depth: int) -> Optional[str]:

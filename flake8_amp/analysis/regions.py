@@ -88,6 +88,8 @@ class Regions:
         self._opened: Dict[nodes.NodeNG, Optional[Region]] = {}
         #: The region every caller of a function runs it in; a call cycle reads as no region.
         self._inherited = CutCache()
+        #: The region the callers that run a function under autocast run it in.
+        self._on_amp_path = CutCache()
         self._sites: Dict[nodes.FunctionDef, List[nodes.Call]] = {}
         extra = context.options.autocast_functions
         self._extra_qualnames = frozenset(name for name in extra if "." in name)
@@ -106,6 +108,19 @@ class Regions:
     def autocast_at(self, node: nodes.NodeNG, with_grad: bool = False) -> Optional[Region]:
         """The region if autocast is (or may be) on at ``node``; None if off or outside."""
         region = self.region_at(node, with_grad)
+        return region if region is not None and region.active else None
+
+    def training_region(self, node: nodes.NodeNG) -> Optional[Region]:
+        """The active region a training step with mixed precision on runs ``node`` in: its own,
+        or that of the call sites with gradients on that run its function under autocast. A
+        function also called outside autocast (``if use_amp: with autocast(...): out =
+        model(x)`` / ``else: out = model(x)``) runs in the region on the mixed-precision path;
+        the other path runs it in fp32 or in the weights' own dtype. None where no such path
+        is known, and inside an ``enabled=False`` island."""
+        region, function = self._opened_around(node, lambdas_are_functions=True)
+        if region is None and isinstance(function, nodes.FunctionDef):
+            return self._on_amp_path.answer(function, lambda: _merged_active(
+                [self.training_region(call) for call in self.gradient_sites(function)]))
         return region if region is not None and region.active else None
 
     def local_region(self, node: nodes.NodeNG) -> Tuple[bool, Optional[Region]]:
@@ -416,6 +431,12 @@ class Regions:
             enabled = _literal_enabled(keyword_value(call, "enabled"), None)
             return Region(owner, _wrapper_enabled(name, enabled), None, None, call)
         return None
+
+
+def _merged_active(regions: List[Optional[Region]]) -> Optional[Region]:
+    """:func:`_merged` of the regions that are there (None: no region at all)."""
+    present = [region for region in regions if region is not None]
+    return _merged(present) if present else None
 
 
 def _merged(regions: List[Region]) -> Region:

@@ -1549,3 +1549,100 @@ def train_point_pool(points, optimizer):
         loss = code.float().pow(2).mean() + spread.float() + 0.0 * hits
     loss.backward()
     optimizer.step()
+
+
+# A model called under autocast on the mixed-precision path of ``if use_amp:`` and plainly on
+# the other runs its reductions in fp16 on the first.
+class SwitchedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).std(dim=0)  # AMP004
+
+
+def train_switched_precision(loader, optimizer, scaler, use_amp):
+    head = SwitchedHead().cuda()
+    for x in loader:
+        if use_amp:
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = head(x)
+        else:
+            out = head(x)
+        scaler.scale(out.float().mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# ...while one only ever called outside autocast keeps fp32.
+class PlainHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).std(dim=0)
+
+
+def train_plain_precision(loader, optimizer):
+    head = PlainHead().cuda()
+    for x in loader:
+        out = head(x)
+        out.mean().backward()
+        optimizer.step()
+
+
+# A one-operand einsum permutes or sums: no matmul for autocast to cast.
+def train_patch_targets(images, pred, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        target = torch.einsum("nchw->nhwc", images)
+        target = (target - target.mean(dim=-1, keepdim=True)) / target.std(dim=-1, keepdim=True)
+        loss = (pred.float() - target).pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+# A record of outputs handed on: a matcher reads the model's field where it is passed.
+@dataclass
+class SetOutput:
+    logits: torch.Tensor
+    boxes: torch.Tensor
+
+
+class SetPredictor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Linear(8, 4)
+        self.box = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return SetOutput(logits=self.cls(x), boxes=self.box(x).sigmoid())
+
+
+class CostMatcher(nn.Module):
+    @torch.no_grad()
+    def forward(self, outputs, targets):
+        return outputs.logits.sigmoid().mean(dim=-1) - targets  # AMP004
+
+
+class SetLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.matcher = CostMatcher()
+
+    def forward(self, outputs, targets):
+        cost = self.matcher(outputs, targets)
+        return (outputs.boxes.float() * cost.float()[..., None]).mean()
+
+
+def train_set_prediction(loader, optimizer, scaler):
+    model, criterion = SetPredictor().cuda(), SetLoss()
+    for x, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            outputs = model(x)
+            loss = criterion(outputs, targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
