@@ -99,7 +99,11 @@ _JSON_TYPES = {"code": str, "name": str, "severity": str, "message": str, "op": 
 
 def _seen_on_watched_steps(code: str) -> bool:
     """The guard checks ``code`` on watched steps only (``Thresholds.watch_steps``/``watch_every``):
-    a code pattern, or a sampled numeric check."""
+    a code pattern other than those attached to the step-level checks (where backward starts,
+    the optimizer and clip calls, the scaler: AMP005, AMP006, AMP008, AMP010), or a sampled
+    numeric check."""
+    if code in ("AMP005", "AMP006", "AMP008", "AMP010"):
+        return False
     return STATIC in rule(code).enforcers or code in ("AMP110", "AMP111")
 
 
@@ -358,9 +362,9 @@ class Report:
         lines = [line(header), line(tuple("-" * w for w in widths) + ("-" * 7,))]
         lines += [line(r) for r in rows]
         if any(_seen_on_watched_steps(group.code) for group in self._groups.values()):
-            lines.append("(code patterns, AMP0xx, and AMP110/AMP111 are checked on watched steps, "
-                         "by default the first 8 and then one in 16: their steps are the ones they "
-                         "were seen on)")
+            lines.append("(AMP001-AMP004, AMP007, AMP009, AMP011, AMP110 and AMP111 are checked "
+                         "on watched steps, by default the first 8 and then one in 16: their steps "
+                         "are the ones they were seen on)")
         total = self.severities()
         counts = ", ".join(f"{total[s]} {s}" for s in sorted(total))
         lines.append(f"{sum(total.values())} event(s): {counts}")

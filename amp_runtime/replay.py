@@ -35,8 +35,13 @@ every weight), goes unexplained. Instead, the step is re-run:
   bit-identical.
 
 One replay per anomaly episode: requests while an episode is open (until
-``Thresholds.auto_quiet_steps`` steps pass without one) extend it and are ignored. Healthy steps
-pay a forward pre-hook and a few state reads per root call, and two counters per optimizer step.
+``Thresholds.auto_quiet_steps`` steps pass without one) extend it and are ignored. A skipped
+step whose replay found nothing (the scale settling at start-up overflows only the scaled
+backward) opens no episode: the next skips are replayed too, the first few at once, then 2,
+4, 8 ... steps apart (at most ``auto_quiet_steps``), so a real overflow that starts during the
+scale's settling is still localized and a run that skips every step pays a replay rarely.
+Healthy steps pay a forward pre-hook and a few state reads per root call, and two counters per
+optimizer step.
 With ``log_dir``, the first replayed step is saved as a repro bundle (``repro-step<N>.pt``) that
 ``python -m amp_runtime replay`` re-runs offline.
 """
@@ -75,6 +80,8 @@ from .tracking import (
 #: asked for the replay: AMP103 itself, or a skipped step's loss-scale codes.
 _LOCALIZED_FOR = {"AMP103": ("AMP103",), SKIPPED: ("AMP107", "AMP108")}
 
+#: Skipped steps in a row whose replay found nothing that are replayed before backing off.
+_UNEXPLAINED_SKIPS_REPLAYED = 4
 #: Root-module calls kept per step (gradient accumulation calls the model once per micro-step);
 #: beyond it the oldest are dropped.
 MAX_CALLS_PER_STEP = 64
@@ -537,6 +544,12 @@ def _nonfinite_parameter(modules: Sequence[torch.nn.Module],
     return None
 
 
+def _recomputing() -> bool:
+    """A module runs inside a backward: activation checkpointing recomputing its forward (on
+    the CPU in the caller's thread), not a call of the step's forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _is_leaf_node(node) -> bool:
     """A parameter's or input's gradient accumulator: not created by any op."""
     return not node.next_functions and node.name().endswith("AccumulateGrad")
@@ -675,9 +688,11 @@ class StepReplay(Monitor):
         self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._learning = _RootLearning(self._root_seen, self._follow_roots)
         self._learning_steps = 0
-        #: Requests up to these steps belong to an open episode (any trigger; SKIPPED only).
+        #: Requests up to this step belong to an open episode; skips up to the other are not
+        #: replayed (skip replays found nothing), and how many in a row found nothing.
         self._episode_until = -1
         self._skip_episode_until = -1
+        self._unexplained_skips = 0
         self._optimizer_steps = 0
         #: The forward cause (an AMP101, found live or by a replay) of the steps not judged yet.
         self._forward_causes: Dict[int, Origin] = {}
@@ -713,7 +728,7 @@ class StepReplay(Monitor):
 
     def _root_seen(self, module, args, kwargs) -> None:
         """The learning hooks saw a root module called: follow it, and keep this call."""
-        if self.replaying:
+        if self.replaying or _recomputing():
             return
         self._roots.add(module)
         if kwargs is not None:
@@ -730,7 +745,8 @@ class StepReplay(Monitor):
     def _capture(self, module, args, kwargs) -> None:
         guard = self.guard
         if (self.replaying or guard.suspended or threading.get_ident() != guard._thread
-                or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()):
+                or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+                or _recomputing()):
             return
         calls = self._calls.get(guard.step_index)
         if calls is None:
@@ -760,7 +776,6 @@ class StepReplay(Monitor):
             self._episode_until = max(self._episode_until, step + quiet)
             return None
         if code == SKIPPED and step <= self._skip_episode_until:
-            self._skip_episode_until = max(self._skip_episode_until, step + quiet)
             return None
         outcome = self.outcome_of(step)
         if outcome is not None:
@@ -852,8 +867,12 @@ class StepReplay(Monitor):
         quiet = self.guard.thresholds.auto_quiet_steps
         if set(outcome.triggers) - {SKIPPED} or outcome.origin is not None:
             self._episode_until = outcome.step + quiet
-        else:
-            self._skip_episode_until = outcome.step + quiet
+            self._unexplained_skips = 0
+        else:  # nothing found: look again at the next skips, then less and less often
+            self._unexplained_skips += 1
+            backoff = self._unexplained_skips - _UNEXPLAINED_SKIPS_REPLAYED
+            gap = 0 if backoff < 0 else min(2 ** (backoff + 1), quiet)
+            self._skip_episode_until = outcome.step + gap
         self.outcomes.append(outcome)
         if outcome.skipped:
             self._warn_once(outcome.skipped, f"step {outcome.step} was not replayed: "

@@ -130,6 +130,12 @@ def train(steps, *, scaler=False, weight_fault=(), restore_weight=False, bad_bat
     return losses, model
 
 
+def built(model_class):
+    """A model initialised the same way each time (``train`` seeds only after it is built)."""
+    torch.manual_seed(1)
+    return model_class()
+
+
 def assert_identical(first, second):
     """Bit-identical tensors, NaN where the other has NaN."""
     assert len(first) == len(second)
@@ -230,11 +236,56 @@ class MaskedAttentionNet(Net):
 
 def test_an_infinite_mask_kept_in_a_buffer_or_frozen_parameter_is_not_blamed():
     options = dict(steps=8, scaler=True, bad_batch={5})
-    g, result = guarded(model=MaskedAttentionNet(), **options)
+    g, result = guarded(model=built(MaskedAttentionNet), **options)
     (event,) = g.report.by_code("AMP101")  # the bad batch meets the mask's matmul first
     assert (event.step, event.module, event.op) == (5, "MaskedAttentionNet", "matmul")
     assert g.report.by_code("AMP112")[0].details["replay"]["origin"]["phase"] == "forward"
-    assert_same_run(train(model=MaskedAttentionNet(), **options), result)
+    assert_same_run(train(model=built(MaskedAttentionNet), **options), result)
+
+
+class Squashing(nn.Module):
+    """``tanh(h * h)``: an fp16 overflow of ``h * h`` leaves the loss finite (tanh(inf) is 1)
+    and makes the backward NaN (0 * inf), so the GradScaler only skips the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, boost=1.0):
+        h = self.fc(x) * boost
+        return self.head(torch.tanh(h * h))  # squash call
+
+
+def test_an_overflow_while_the_scale_settles_is_localized():
+    # every step skips: a loss scale of 1e9 settles for many steps, and at step 3 the forward
+    # overflows too; the replays of the settling skips found nothing, which must not stop the
+    # replay of step 3
+    def run():
+        torch.manual_seed(0)
+        model = Squashing()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1e9)
+        scales = []
+        for step in range(10):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(8, WIDTH), boost=1e3 if step == 3 else 1.0)
+                loss = out.float().pow(2).mean()
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, model
+
+    plain_scales, plain_model = run()
+    with amp_runtime.guard(policy="record") as g:
+        scales, model = run()
+    assert scales == plain_scales and len(set(scales)) == len(scales)  # every step skipped
+    (event,) = g.report.by_code("AMP101")
+    assert (event.step, event.op, event.details["replayed"]) == (3, "mul", True)
+    assert event.source == f"{THIS_FILE}:{line_of(Squashing.forward, '# squash call')}"
+    assert_identical(list(plain_model.state_dict().values()), list(model.state_dict().values()))
 
 
 def test_policy_raise_stops_at_the_faulty_op_before_the_optimizer_applies_the_step():
@@ -541,6 +592,25 @@ def test_each_call_of_the_step_is_replayed_in_order():
     (loss_event,) = g.report.by_code("AMP112")
     assert loss_event.details["replay"]["origin"]["call"] == 3
     assert_same_run(train(**options), result)
+
+
+class CheckpointedNet(Net):
+    """Net whose blocks are activation-checkpointed: the backward recomputes their forward."""
+
+    def forward(self, x, mask=None):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_forwards_recomputed_by_activation_checkpointing_are_not_calls_of_the_step():
+    options = dict(steps=6, scaler=True, micro_steps=4, bad_micro_step=(3, 2))
+    g, result = guarded(model=built(CheckpointedNet), **options)
+    (event,) = replayed(g)
+    assert (event.step, event.module, event.details["call"], event.details["calls"]) == (
+        3, "embed", 3, 4)
+    assert_same_run(train(model=built(CheckpointedNet), **options), result)
 
 
 def test_two_root_modules_are_replayed_in_their_order():

@@ -103,8 +103,9 @@ class OpTrace:
     values, the op, its float constants and where it ran. An input that a checked op of the
     stretch produced reuses that peak, as does a view of it (its values are a subset of the
     base's), while neither has changed in place since (the version counter says so). Parameters
-    are measured once per stretch, all together when it is handed over (``take``), by their L2
-    norms: one fused kernel, an upper bound of max |x| that keeps NaN and Inf. Other inputs
+    are measured once per stretch, all together when it is handed over (``take``), by their
+    largest magnitude: one fused kernel that keeps NaN and Inf (an L2 norm, which grows with the
+    size, would take a large weight of small values for one near overflow). Other inputs
     (batches, buffers, copies, tensors of earlier steps) get a peak of their own. A peak is
     kept as the pair :func:`~amp_runtime.monitors.extremes` measures, in one list per dtype
     and device, stacked and combined into one tensor of peaks when handed over.
@@ -179,10 +180,10 @@ class OpTrace:
 
     def take(self) -> Tuple[List[torch.Tensor], List[int], List[TracedOp]]:
         """What the stretch recorded, and a fresh start: the peaks as one float32 tensor per
-        device (the parameters' norms last), where each index's value lands among the values
+        device (the parameters' peaks last), where each index's value lands among the values
         read from them, and the ops. The guard's own tensor work: no mode sees it."""
         stacked, starts, size = [], {}, 0
-        # no autograd graph over the parameters' norms: it would cost a quarter of their time
+        # no autograd graph over the parameters' peaks: it would cost a quarter of their time
         with torch._C.DisableTorchFunction(), torch.no_grad():
             for key, pairs in self._groups.items():
                 starts[key] = size
@@ -190,7 +191,7 @@ class OpTrace:
                 stacked.append(torch.stack(pairs).view(-1, 2).abs().amax(1).float())
             positions = [starts[key] + position for key, position in self._slots]
             if self.parameters:
-                norms = torch._foreach_norm(self.parameters, 2)
+                norms = torch._foreach_norm(self.parameters, math.inf)
                 try:
                     stacked.append(torch.stack(norms).float())
                 except RuntimeError:  # parameters on several devices: the readings group them
@@ -408,7 +409,7 @@ class ForwardMonitor(Monitor):
 
     def _judge_absorption(self, func, dtype, where, values, step) -> None:
         absorbed, ratio = values
-        if absorbed:
+        if absorbed and math.isfinite(ratio):  # an inf/NaN operand: AMP101's, not absorption
             module, location = where
             self.guard.emit("AMP110", op=func, ratio=ratio, dtype=dtype_name(dtype),
                             details={"ratio": ratio}, module=module,
@@ -438,7 +439,7 @@ class ForwardMonitor(Monitor):
 
     def _judge_reduction(self, func, dtype, where, values, step) -> None:
         ratio = values[0]
-        if ratio > self.limits.imbalanced_reduce_ratio:
+        if math.isfinite(ratio) and ratio > self.limits.imbalanced_reduce_ratio:
             module, location = where
             self.guard.emit("AMP111", op=func, ratio=ratio, dtype=dtype_name(dtype),
                             details={"ratio": ratio}, module=module,
