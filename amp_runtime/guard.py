@@ -172,6 +172,8 @@ class Guard(Component):
         self.containment = Containment(self._report_failure)
         #: Steps completed so far, i.e. the 0-based index of the current step.
         self.step_index = 0
+        #: Steps ended under this guard (a resumed run's ``step_index`` starts elsewhere).
+        self._steps_ended = 0
         #: The record of the step in progress, filled by the monitors (and their readings' judges).
         self.step_record: Dict[str, Any] = {"step": 0}
         #: Called as ``listener(step, record)`` once a step's record is complete: when its
@@ -572,7 +574,7 @@ class Guard(Component):
     def _look_for_modules(self) -> None:
         """On the first watched steps, remember the root module the first op inside a module
         runs in (one stack walk per op until one is found: ``tracking.py``)."""
-        if self._mode is not None and self.step_index < self.thresholds.watch_steps:
+        if self._mode is not None and self._steps_ended < self.thresholds.watch_steps:
             self._mode.look_for_modules(self.tracker.sight)
 
     def _optimizer_step_starts(self, optimizer, args, kwargs):
@@ -651,6 +653,7 @@ class Guard(Component):
         self.step_index = readings.step = step + 1
         self.step_record = {"step": step + 1}
         self._quiet_steps += 1
+        self._steps_ended += 1
         quiet = self._quiet_steps >= self.thresholds.auto_quiet_steps
         if self.trace == "auto" and self._tracing and quiet:
             self._tracing = False
@@ -658,8 +661,8 @@ class Guard(Component):
             if self._mode is not None:
                 self._mode.set_tracing(False)
         limits = self.thresholds
-        self._watching = (self._tracing or self.step_index < limits.watch_steps
-                          or self.step_index % limits.watch_every == 0)
+        self._watching = (self._tracing or self._steps_ended < limits.watch_steps
+                          or self._steps_ended % limits.watch_every == 0)
         if self._watching:
             self._look_for_modules()
         if self._events_log is not None:

@@ -7,11 +7,12 @@ every weight), goes unexplained. Instead, the step is re-run:
 
 * Capture. The root modules a step calls (the modules called from outside any module: the model,
   its compiled or DDP wrapper, a loss module) are learned in the first steps by a global module
-  hook, then followed by a forward pre-hook on each. Each grad-enabled call keeps, by reference,
-  its inputs, the RNG state (CPU, and the current CUDA device's), the autocast state and the
-  tensor versions of its inputs; nothing is copied. A step's calls are kept until every reading
-  of that step has been judged (the guard's step listeners): on the CPU until the step ends, on
-  a GPU as long as its readings are in flight, usually a step longer.
+  hook, until a step finds none it had not seen, then followed by a forward pre-hook on each.
+  Each grad-enabled call keeps, by reference, its inputs, the RNG state (CPU, and the current
+  CUDA device's), the autocast state and the tensor versions of its inputs; nothing is copied.
+  A step's calls are kept until every reading of that step has been judged (the guard's step
+  listeners): on the CPU until the step ends, on a GPU as long as its readings are in flight,
+  usually a step longer.
 * Request. The judges of the step's readings (``readings.py``), which know the step, call
   ``guard.request_replay(code, step)``: a non-finite loss at backward (AMP112), non-finite
   gradients reaching an optimizer (AMP103), a GradScaler skipping the step (``SKIPPED``).
@@ -688,12 +689,18 @@ class StepReplay(Monitor):
         self._roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._learning = _RootLearning(self._root_seen, self._follow_roots)
         self._learning_steps = 0
+        #: The step ending now found a root module the ones before had not.
+        self._new_root = False
         #: Requests up to this step belong to an open episode; skips up to the other are not
         #: replayed (skip replays found nothing), and how many in a row found nothing.
         self._episode_until = -1
         self._skip_episode_until = -1
         self._unexplained_skips = 0
         self._optimizer_steps = 0
+        #: ``(steps so far, optimizer)`` of the latest optimizer steps, to tell which parameters
+        #: a step changed (read only by a replay).
+        self._stepped: Deque[Tuple[int, "weakref.ref[torch.optim.Optimizer]"]] = deque(
+            maxlen=MAX_CALLS_PER_STEP)
         #: The forward cause (an AMP101, found live or by a replay) of the steps not judged yet.
         self._forward_causes: Dict[int, Origin] = {}
         #: What each replay did, newest last (bounded).
@@ -730,6 +737,7 @@ class StepReplay(Monitor):
         """The learning hooks saw a root module called: follow it, and keep this call."""
         if self.replaying or _recomputing():
             return
+        self._new_root = self._new_root or module not in self._roots
         self._roots.add(module)
         if kwargs is not None:
             self._capture(module, tuple(args), kwargs)
@@ -763,6 +771,7 @@ class StepReplay(Monitor):
 
     def _optimizer_step_ends(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
+        self._stepped.append((self._optimizer_steps, weakref.ref(optimizer)))
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -810,9 +819,13 @@ class StepReplay(Monitor):
 
     def on_step_end(self, step, record) -> None:
         if self._learning.active:
+            # until a step finds no new root: a loop of two networks with a GradScaler each
+            # counts its first iteration as two steps, the second network's in the second
             self._learning_steps += 1
-            if self._roots or self._learning_steps >= self.guard.thresholds.watch_steps:
+            if (self._roots and not self._new_root
+                    or self._learning_steps >= self.guard.thresholds.watch_steps):
                 self._learning.stop()
+            self._new_root = False
 
     # -- AMP103's origin ---------------------------------------------------------------------
 
@@ -849,16 +862,41 @@ class StepReplay(Monitor):
 
     def _calls_of(self, step: int) -> List[RootCall]:
         """``step``'s calls, if replaying them now would replay that step: the parameters and
-        the inputs must be those its forward saw."""
+        the inputs must be those its forward saw. A call of a module whose parameters an
+        optimizer stepped since is left out (a GAN's discriminator, stepped before its
+        generator's step is judged): the others still replay as they ran, taking its outputs as
+        the inputs they were."""
         calls = list(self._calls.get(step, ()))
         if not calls:
             raise ReplayError("no root module call was recorded in it")
-        if any(call.optimizer_steps != self._optimizer_steps for call in calls):
+        changed = self._stepped_since(min(call.optimizer_steps for call in calls))
+        if changed is None:
             raise ReplayError("an optimizer step changed the parameters before it was judged")
+        if changed:
+            calls = [call for call in calls if not any(
+                id(p) in changed for p in eager_module(call.module).parameters())]
+            if not calls:
+                raise ReplayError("an optimizer step changed the parameters before it was judged")
         for call in calls:
             if tuple(t._version for t in input_tensors(call.args, call.kwargs)) != call.versions:
                 raise ReplayError("an input was modified in place after its forward")
         return calls
+
+    def _stepped_since(self, steps: int) -> Optional[Set[int]]:
+        """The ids of the parameters the optimizer steps after the first ``steps`` changed;
+        None when that is no longer known (more steps than are kept, an optimizer gone)."""
+        if steps == self._optimizer_steps:
+            return set()
+        later = [entry for entry in self._stepped if entry[0] > steps]
+        if len(later) != self._optimizer_steps - steps:
+            return None
+        changed: Set[int] = set()
+        for _, reference in later:
+            optimizer = reference()
+            if optimizer is None:
+                return None
+            changed.update(id(p) for group in optimizer.param_groups for p in group["params"])
+        return changed
 
     def _close(self, outcome: Outcome) -> None:
         """Open the episode the replay belongs to, keep its outcome, say why it did not run."""

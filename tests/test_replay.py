@@ -367,6 +367,7 @@ def test_a_step_judged_after_the_optimizer_applied_it_is_not_replayed_and_says_w
     why = "an optimizer step changed the parameters before it was judged"
     loss = g.report.by_code("AMP112")[0]  # then at every step: the weights are NaN
     assert loss.step == 5 and loss.details["replay"]["skipped"] == why
+    assert f"; not replayed: {why} (trace='always' checks every op live)" in loss.message
     grads = g.report.by_code("AMP103")[0]
     assert grads.step == 5 and grads.details["replay"]["skipped"] == why
     assert "origin" not in grads.details  # no cause named on weights already changed
@@ -564,19 +565,19 @@ def test_a_loss_returned_by_the_model_is_where_the_replayed_backward_starts():
 # -- item 3: compiled models, DDP, several calls per step, no model= ------------------------
 
 
-def test_root_modules_are_learned_in_the_first_step_then_followed_by_their_own_hook():
+def test_root_modules_are_learned_in_the_first_steps_then_followed_by_their_own_hook():
     hooks = module_globals._global_forward_pre_hooks, module_globals._global_forward_hooks
     before = [len(h) for h in hooks]
     torch.manual_seed(0)
     model = Net()
     with amp_runtime.guard(policy="record") as g:
-        assert [len(h) for h in hooks] != before  # learning, during the first step
-        train(1, model=model)
+        assert [len(h) for h in hooks] != before  # learning, until a step finds no new root
+        train(2, model=model)
         assert [len(h) for h in hooks] == before  # then one pre-hook on the root module only
         assert len(model._forward_pre_hooks) == 1
         assert all(not m._forward_pre_hooks for m in model.modules() if m is not model)
         train(6, model=model, scaler=True, bad_batch={3})
-    assert [(e.step, e.module) for e in replayed(g)] == [(4, "embed")]  # step 3 of the 2nd loop
+    assert [(e.step, e.module) for e in replayed(g)] == [(5, "embed")]  # step 3 of the 2nd loop
     assert not model._forward_pre_hooks
 
 
@@ -611,6 +612,34 @@ def test_forwards_recomputed_by_activation_checkpointing_are_not_calls_of_the_st
     assert (event.step, event.module, event.details["call"], event.details["calls"]) == (
         3, "embed", 3, 4)
     assert_same_run(train(model=built(CheckpointedNet), **options), result)
+
+
+def test_a_second_network_stepped_after_the_first_is_replayed_without_it():
+    # two networks, a GradScaler each: the first's optimizer has stepped when the second's NaN
+    # loss is judged; its parameters are not the second's, so the second's call still replays
+    def run():
+        torch.manual_seed(0)
+        first, second = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), Net()
+        optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (first, second)]
+        scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
+        for step in range(6):
+            for index, model in enumerate((first, second)):
+                x = torch.randn(8, WIDTH) * (1e6 if (step, index) == (4, 1) else 1.0)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().square().mean()
+                optimizers[index].zero_grad()
+                scalers[index].scale(loss).backward()
+                scalers[index].step(optimizers[index])
+                scalers[index].update()
+        return [*first.state_dict().values(), *second.state_dict().values()]
+
+    plain = run()
+    with amp_runtime.guard(policy="record") as g:
+        guarded_state = run()
+    (event,) = replayed(g)
+    assert (event.module, event.source) == ("embed", EMBED_SOURCE)
+    assert g.report.by_code("AMP112")[0].details["replay"]["origin"]["module"] == "embed"
+    assert_identical(plain, guarded_state)
 
 
 def test_two_root_modules_are_replayed_in_their_order():

@@ -45,6 +45,16 @@ def test_code_pattern_rules_see_watched_steps_only():
     assert [e.step for e in g.report] == [0, 1, 4, 8]
 
 
+def test_a_resumed_run_watches_its_first_steps_under_the_guard():
+    # numbered from step 45 of a checkpoint: the first steps under this guard are watched
+    with amp_runtime.guard(policy="record", thresholds=SPARSE, select=["AMP004"]) as g:
+        g.number_step(45)
+        for _ in range(10):
+            torch.randn(8, dtype=torch.float16).sum()
+            g.step()
+    assert [e.step for e in g.report] == [45, 46, 49, 53]
+
+
 def test_every_step_is_watched_with_watch_every_1_and_while_tracing():
     every_step = Thresholds(watch_steps=0, watch_every=1)
     with amp_runtime.guard(policy="record", thresholds=every_step) as g:

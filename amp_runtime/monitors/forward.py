@@ -382,8 +382,14 @@ class ForwardMonitor(Monitor):
         if nonfinite:
             replay = self.guard.request_replay("AMP112", step)  # its AMP101 comes first
             origin = None if replay is None else replay.cause()
+            if origin is not None:
+                cause = f"; {origin.clause()}"
+            elif replay is not None and replay.skipped:
+                cause = f"; not replayed: {replay.skipped} (trace='always' checks every op live)"
+            else:
+                cause = ""
             self.guard.emit("AMP112", op="backward", kind=nonfinite_kind(nonfinite[0]),
-                            cause="" if origin is None else f"; {origin.clause()}",
+                            cause=cause,
                             location=location, step=step,
                             details={} if replay is None else {"replay": replay.to_json()})
             self.guard.request_tracing("AMP112")
