@@ -954,6 +954,9 @@ class Names:
             if isinstance(source, nodes.Dict) and qualname == "torch.nn.ModuleDict":
                 items.extend(value for _, value in source.items)
                 continue
+            if isinstance(source, nodes.DictComp) and qualname == "torch.nn.ModuleDict":
+                items.append(source.value)  # ``{t: Tower(d) for t in TASKS}``: one for all
+                continue
             held = self.list_items(source)
             if held is None:
                 return None

@@ -1646,3 +1646,37 @@ def train_set_prediction(loader, optimizer, scaler):
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
+
+
+# Task towers in an nn.ModuleDict built by a dict comprehension, run through .items().
+class TaskTower(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h / (h * h).mean(dim=-1, keepdim=True).add(1e-3).sqrt()  # AMP004
+
+
+class MultiTaskTowers(nn.Module):
+    def __init__(self, tasks, dim):
+        super().__init__()
+        self.towers = nn.ModuleDict({task: TaskTower(dim) for task in tasks})
+
+    def forward(self, x):
+        outputs = {}
+        for task, tower in self.towers.items():
+            outputs[task] = tower(x)
+        return outputs
+
+
+def train_multi_task(loader, optimizer, scaler):
+    model = MultiTaskTowers(["ctr", "cvr"], 8).cuda()
+    for x in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            outputs = model(x)
+        loss = sum(out.float().square().mean() for out in outputs.values())
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
