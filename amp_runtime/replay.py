@@ -17,10 +17,12 @@ every weight), goes unexplained. Instead, the step is re-run:
   ``guard.request_replay(code, step)``: a non-finite loss at backward (AMP112), non-finite
   gradients reaching an optimizer (AMP103), a GradScaler skipping the step (``SKIPPED``).
 * Replay, at once, inside the judge, before it reports its finding. Only while that replays the
-  step: no optimizer step since its forward and its inputs unchanged. A problem judged at the
-  optimizer step pre-hook (always on the CPU; on a GPU once the copy has arrived) is replayed
-  before the optimizer applies the step; one judged later is replayed if the GradScaler skipped
-  its step (the parameters are unchanged), and otherwise skipped, its outcome saying why. The
+  step: no optimizer step since its forward changed the parameters of a module it calls (the
+  calls of modules a second optimizer stepped are left out), and its inputs unchanged. A
+  problem judged at the optimizer step pre-hook (always on the CPU; on a GPU once the copy has
+  arrived) is replayed before the optimizer applies the step; one judged later is replayed if
+  the GradScaler skipped its step (the parameters are unchanged), and otherwise skipped, its
+  outcome saying why. The
   step's calls run again in order on the eager module (``_orig_mod`` of a compiled model,
   ``.module`` of DDP) from the same inputs, parameters, RNG and autocast state, traced by an
   ``OpTrace`` of its own (``monitors/forward.py``) that is read at once, so AMP101 names op,
@@ -83,6 +85,8 @@ _LOCALIZED_FOR = {"AMP103": ("AMP103",), SKIPPED: ("AMP107", "AMP108")}
 
 #: Skipped steps in a row whose replay found nothing that are replayed before backing off.
 _UNEXPLAINED_SKIPS_REPLAYED = 4
+#: Optimizer steps remembered for telling which parameters changed since a call.
+_OPTIMIZER_STEPS_KEPT = 64
 #: Root-module calls kept per step (gradient accumulation calls the model once per micro-step);
 #: beyond it the oldest are dropped.
 MAX_CALLS_PER_STEP = 64
@@ -700,7 +704,7 @@ class StepReplay(Monitor):
         #: ``(steps so far, optimizer)`` of the latest optimizer steps, to tell which parameters
         #: a step changed (read only by a replay).
         self._stepped: Deque[Tuple[int, "weakref.ref[torch.optim.Optimizer]"]] = deque(
-            maxlen=MAX_CALLS_PER_STEP)
+            maxlen=_OPTIMIZER_STEPS_KEPT)
         #: The forward cause (an AMP101, found live or by a replay) of the steps not judged yet.
         self._forward_causes: Dict[int, Origin] = {}
         #: What each replay did, newest last (bounded).
