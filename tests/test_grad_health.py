@@ -261,6 +261,61 @@ def test_fp16_exactly_zero_layers_are_named_without_a_model_argument():
     assert event.module == "0" and event.details["layers"] == ["0"] and event.step == 0
 
 
+class MultiTask(torch.nn.Module):
+    """A shared trunk and one head per task; each batch trains one task's head."""
+
+    def __init__(self, tasks=3, dead_trunk=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 1) for _ in range(tasks))
+        if dead_trunk:
+            torch.nn.init.constant_(self.trunk[0].bias, -100.0)  # every ReLU unit is dead
+
+    def forward(self, x, task):
+        return self.heads[task](self.trunk(x))
+
+
+def multitask_steps(model, steps, task_of_step, fp16=True, set_to_none=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            out = model(torch.randn(4, 8), task_of_step(step))
+        loss = (out.float() - 1).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+def test_heads_the_step_did_not_use_are_not_vanishing_with_kept_zero_gradients(fp16):
+    """``zero_grad(set_to_none=False)`` leaves zeros in the heads of the other tasks: the backward
+    never reached them, so they are not vanishing (every step reported them before)."""
+    model = MultiTask()
+    with amp_runtime.guard(policy="record", model=model) as g:
+        multitask_steps(model, 12, task_of_step=lambda step: step % 3, fp16=fp16)
+    assert not g.report.by_code("AMP105")
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_dead_layer_the_backward_reaches_is_still_vanishing(set_to_none):
+    model = MultiTask(dead_trunk=True)
+    with amp_runtime.guard(policy="record", model=model) as g:
+        multitask_steps(model, 8, task_of_step=lambda step: step % 3, set_to_none=set_to_none)
+    (event,) = g.report.by_code("AMP105")
+    assert event.details["layers"] == ["trunk.0"]
+
+
+def test_a_dead_layer_is_reported_at_the_first_step_when_gradients_are_kept():
+    model = MultiTask(dead_trunk=True)
+    with amp_runtime.guard(policy="record", model=model) as g:
+        multitask_steps(model, 1, task_of_step=lambda step: 0, fp16=False)
+    (event,) = g.report.by_code("AMP105")
+    assert event.step == 0 and event.details["layers"] == ["trunk.0"]
+
+
 def test_learning_rate_spike_reports_explosion_at_that_step_with_the_unscaled_norm(tmp_path):
     model = mlp(depth=2, width=16, activation=torch.nn.ReLU)
     spike_at = 6

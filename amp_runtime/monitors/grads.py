@@ -29,7 +29,9 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (
+    Any, Collection, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple,
+)
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -54,6 +56,8 @@ DETAIL_EVERY = 32
 _NAMES_IN_MESSAGE = 5
 #: Parameter lists whose names are kept (one per optimizer and device in most loops).
 _NAME_LISTS = 64
+#: Parameters watched at most for whether a backward reaches them (``ReachedParameters``).
+_WATCHED = 4096
 
 _GRAD, _DEVICE, _SHAPE = (operator.attrgetter(name) for name in ("grad", "device", "shape"))
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -117,6 +121,13 @@ class GradSample:
     scaled_by: Optional[torch.Tensor] = None
     #: The loss scale in effect (AMP106 reference), None when no scaler is involved.
     loss_scale: Optional[torch.Tensor] = None
+    #: The parameters (kept until judged, to watch those found at zero: ``ReachedParameters``),
+    #: the ids of their gradient tensors, and which of them were watched and reached by a backward
+    #: since their last sample.
+    params: Sequence[torch.Tensor] = ()
+    grad_ids: Tuple[int, ...] = ()
+    watched: FrozenSet[int] = frozenset()
+    reached: FrozenSet[int] = frozenset()
 
     @property
     def rows(self) -> int:
@@ -264,9 +275,13 @@ def nonfinite_gradients(parameter_names: Iterable[str]) -> dict:
 
 
 def judge_gradients(
-    layers: Sequence[LayerGrad], loss_scale: Optional[float], limits: Thresholds
+    layers: Sequence[LayerGrad], loss_scale: Optional[float], limits: Thresholds,
+    unreached: Collection[str] = frozenset(),
 ) -> List[Tuple[str, dict]]:
-    """One step's findings as ``(code, emit keyword arguments)``, layers earliest first."""
+    """One step's findings as ``(code, emit keyword arguments)``, layers earliest first.
+
+    ``unreached``: parameters whose zero gradients the step's backward did not write (a head it
+    did not use): not vanishing (AMP105)."""
     if not layers:
         return []
     findings: List[Tuple[str, dict]] = []
@@ -285,15 +300,20 @@ def judge_gradients(
             details={"total_norm": total, "largest": largest.name, "largest_norm": largest.norm},
         )))
 
-    if total < limits.grad_vanishing_total:
+    reached = [g for g in layers if g.name not in unreached] if unreached else layers
+    reached_total = total if reached is layers else total_norm(reached)
+    if not reached:
+        pass
+    elif reached_total < limits.grad_vanishing_total:
         findings.append(("AMP105", dict(
-            detail=f"total gradient norm {total:.3g} is below {limits.grad_vanishing_total:g}",
-            details={"total_norm": total},
+            detail=f"total gradient norm {reached_total:.3g} is below "
+                   f"{limits.grad_vanishing_total:g}",
+            details={"total_norm": reached_total},
         )))
-    elif min(g.norm for g in layers) < limits.grad_vanishing_layer:
+    elif min(g.norm for g in reached) < limits.grad_vanishing_layer:
         # A layer's L2 norm bounds every |g| in it: norm < limit implies max |g| < limit.
         layer_norm: Dict[str, float] = {}
-        for g in layers:
+        for g in reached:
             key = layer_of(g.name)
             layer_norm[key] = math.hypot(layer_norm.get(key, 0.0), g.norm)
         limit = limits.grad_vanishing_layer
@@ -359,6 +379,70 @@ class ParameterNames:
         return known[0]
 
 
+class ReachedParameters:
+    """Whether a backward reached the parameters watched: those whose kept gradient was found all
+    zero. After ``zero_grad(set_to_none=False)`` a head the step did not use keeps zeros just as a
+    dead layer does; only the backward tells them apart. One post-accumulate-grad hook per watched
+    parameter: a run whose kept gradients are never all zero watches none."""
+
+    def __init__(self, monitor: Monitor):
+        self._monitor = monitor
+        self._watched: Dict[int, weakref.ref] = {}
+        #: Watched parameters a backward accumulated into since their last sample.
+        self._reached: Set[int] = set()
+
+    def watch(self, params: Iterable[torch.Tensor]) -> None:
+        for param in params:
+            known = self._watched.get(id(param))
+            if known is not None and known() is param or len(self._watched) >= _WATCHED:
+                continue
+            if param.is_leaf and param.requires_grad:
+                self._watched[id(param)] = weakref.ref(param)
+                self._monitor.keep(param.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._reached.add(id(param))
+
+    def take(self, params: Sequence[torch.Tensor]) -> Tuple[FrozenSet[int], FrozenSet[int]]:
+        """Which of ``params`` are watched, and which of those were reached since last taken."""
+        if not self._watched:
+            return frozenset(), frozenset()
+        watched = frozenset(id(p) for p in params if id(p) in self._watched)
+        reached = watched & self._reached
+        self._reached -= reached
+        return watched, reached
+
+
+def unreached_parameters(samples: Sequence[GradSample], layers: Sequence[LayerGrad],
+                         before: Optional[Dict[str, int]], fresh: bool,
+                         reported: Collection[str]) -> Tuple[Set[str], List[torch.Tensor]]:
+    """The parameters of ``samples`` whose all-zero gradients no backward wrote since their last
+    sample, and those whose zeros are of unknown origin (to be watched).
+
+    The gradients of the guard's first step (``fresh``) were made by it. Later, a gradient tensor
+    other than the one sampled last time (``before``: name -> id of the gradient, None when there
+    was no sample) was made by this step's backward. A kept one was reached if a watch saw the
+    backward accumulate into it; unwatched, it is undecided and counts as it did before (its layer
+    among those ``reported``) until the next step tells."""
+    zero = {g.name for g in layers if g.norm == 0.0}
+    unreached: Set[str] = set()
+    unknown: List[torch.Tensor] = []
+    if not zero or fresh:
+        return unreached, unknown
+    for sample in samples:
+        for name, param, grad_id in zip(sample.names, sample.params, sample.grad_ids):
+            if name not in zero or id(param) in sample.reached:
+                continue
+            if before is not None and before.get(name) != grad_id:
+                continue  # made anew by this step's backward
+            if id(param) not in sample.watched:
+                unknown.append(param)
+                if layer_of(name) in reported:
+                    continue
+            unreached.add(name)
+    return unreached, unknown
+
+
 class GradHealth(Monitor):
     """Samples the gradients where the optimizer consumes them and judges them once per step."""
 
@@ -378,6 +462,9 @@ class GradHealth(Monitor):
         #: The lasting conditions (AMP105, AMP106) reported at the last judgement, per optimizer
         #: (None: ``guard.step()``), so that each is reported when it starts or changes.
         self._previous_keys: Dict[Optional[int], set] = {}
+        #: Per optimizer, the names and gradient ids of its last sample (``unreached_parameters``).
+        self._previous_grads: Dict[Optional[int], List[Tuple[List[str], Tuple[int, ...]]]] = {}
+        self.reached = ReachedParameters(self)
 
     def attach(self, guard):
         super().attach(guard)
@@ -426,12 +513,17 @@ class GradHealth(Monitor):
                     stats = gradient_stats(grads, flush_factor, counted=counted)
                 else:
                     stats = torch.stack(self._norms_reusing_clip(grads)).reshape(1, -1)
+            watched, reached = self.reached.take(device_params)
             samples.append(GradSample(
                 names=self.names.names(device_params),
                 shapes=list(map(_SHAPE, grads)),
                 stats=stats,
                 scaled_by=scaled_by,
                 loss_scale=loss_scale,
+                params=device_params,
+                grad_ids=tuple(map(id, grads)),
+                watched=watched,
+                reached=reached,
             ))
         return samples
 
@@ -499,7 +591,8 @@ class GradHealth(Monitor):
             return
         guard = self.guard
         judge = functools.partial(self._judge, key, samples, len(skipped_if), guard.step_record,
-                                  guard.tracker.loop_location(("optimizer.step", key)))
+                                  guard.tracker.loop_location(("optimizer.step", key)),
+                                  guard._steps_ended == 0)
         self.submit(reading_tensors(samples) + skipped_if, judge)
 
     def _logged_step(self) -> bool:
@@ -522,8 +615,13 @@ class GradHealth(Monitor):
 
     # -- judgement ---------------------------------------------------------------------
 
-    def _judge(self, key, samples, flags, record, location, values, step) -> None:
-        """One optimizer's gradients of ``step``, read: findings, and the step record's norm."""
+    def _judge(self, key, samples, flags, record, location, first_step, values, step) -> None:
+        """One optimizer's gradients of ``step``, read: findings, and the step record's norm.
+        ``first_step``: the guard's first, whose gradients its backward made."""
+        previous_grads = self._previous_grads.get(key)
+        if len(self._previous_grads) >= _NAME_LISTS:
+            self._previous_grads.clear()
+        self._previous_grads[key] = [(s.names, s.grad_ids) for s in samples]
         if flags and any(values[-flags:]):
             return  # a scaler caught inf/NaN and skips the step: AMP107-AMP109's business
         host, factors, scales = host_values(samples, values)
@@ -537,7 +635,13 @@ class GradHealth(Monitor):
             _add_norm(record, total)
             return
         layers, loss_scale = layer_stats(samples, host, factors, scales)
-        findings = judge_gradients(layers, loss_scale, limits)
+        before = None if previous_grads is None else {
+            name: grad_id for names, ids in previous_grads for name, grad_id in zip(names, ids)}
+        reported = {layer for condition in previous if condition[0] == "AMP105"
+                    for layer in condition[3]}
+        unreached, unknown = unreached_parameters(samples, layers, before, first_step, reported)
+        self.reached.watch(unknown)
+        findings = judge_gradients(layers, loss_scale, limits, unreached)
         detailed = layers[0].max is not None
         # AMP105-AMP106 conditions last; report them when they start or change, not at every step
         keys = {k for k in previous if k[0] == "AMP106" and not detailed}
@@ -545,7 +649,11 @@ class GradHealth(Monitor):
             layers_named = tuple(kwargs.get("details", {}).get("layers", ()))
             condition = (code, kwargs.get("severity"), kwargs.get("layer"), layers_named)
             keys.add(condition)
-            if condition not in previous:
+            if code == "AMP105" and layers_named:
+                new = not reported.issuperset(layers_named)  # layers recovering are no news
+            else:
+                new = condition not in previous
+            if new:
                 if code == "AMP103":  # replayed before the optimizer applies them
                     kwargs = self.guard.explain_nonfinite_grads(step, kwargs)
                 self.guard.emit(code, **{"op": "optimizer.step", "location": location,

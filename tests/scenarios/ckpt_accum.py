@@ -1,4 +1,4 @@
-"""EXPECT: AMP101,AMP105,AMP112
+"""EXPECT: AMP101,AMP112
 MAY: AMP102
 FAULT: a multi-task MLP whose trunk (`block` = Linear(24,96) -> GELU -> Linear(96,32)) runs
 under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, trained under fp16
@@ -13,9 +13,9 @@ Codes: AMP112 "the loss is NaN/Inf when backward starts" (step 5, the backward l
 AMP101 via the replay of the skipped step, "where the step called the model more than once,
 as with gradient accumulation ..., details["call"] and details["calls"] say which call"
 (expect op linear, module `block.0` inside the checkpointed block, step 5, call 3 of 4,
-source: the forward line that calls `checkpoint`); AMP105: "a layer whose largest gradient
-magnitude is below 1e-10 (including a layer whose gradients are all exactly zero), naming
-the layers": `aux_head` on odd steps (zeros kept by set_to_none=False). Must not fire:
+source: the forward line that calls `checkpoint`). Must not fire: AMP105 for `aux_head` on
+odd steps: its zeros are kept by set_to_none=False, but no backward reached it, so it is
+unused, not vanishing (the AMP105 page; written to expect it before that was decided),
 AMP008 (backward starts outside autocast; the checkpoint's recomputation re-enters the
 saved autocast state inside backward, which is torch's doing, not a backward under
 autocast), AMP103 (the scaler skips the bad step), AMP108 (one skip), AMP104 (norms of good
