@@ -29,6 +29,8 @@ from flake8_amp.analysis.names import (
     chain_top,
     code_frame,
     enclosing_class,
+    forward_path,
+    is_model_class,
     keyword_value,
     last_part,
     method_call,
@@ -180,6 +182,7 @@ class GradContext:
         self.context = context
         self.names = context.names
         self.words = INFERENCE_WORDS | context.options.inference_words
+        self._forward_paths: Dict[nodes.ClassDef, set] = {}
         stem = os.path.splitext(os.path.basename(context.filename or ""))[0]
         file_words = FILE_INFERENCE_WORDS | context.options.inference_words
         self.file_is_inference = any(word in file_words for word in name_words(stem))
@@ -221,7 +224,8 @@ class GradContext:
         scope = code_frame(node)
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
-            if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)):
+            if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)) and not (
+                    self._in_forward_pass(current)):
                 # the innermost name that says decides, by its first word that says
                 # (``train_link_prediction`` trains, ``test_cast_in_training`` tests)
                 purpose = self._named_purpose(current.name)
@@ -231,6 +235,16 @@ class GradContext:
                     break
             current = current.parent
         return self._is_eval_scope(scope)
+
+    def _in_forward_pass(self, function: nodes.NodeNG) -> bool:
+        """A method a model's ``forward`` runs (Mask2Former's ``forward_prediction_heads``):
+        its name describes the model, not what the code is for."""
+        owner = function.parent
+        if not isinstance(function, nodes.FunctionDef) or not isinstance(owner, nodes.ClassDef):
+            return False
+        if owner not in self._forward_paths:
+            self._forward_paths[owner] = forward_path(owner) if is_model_class(owner) else set()
+        return function in self._forward_paths[owner]
 
     def _named_purpose(self, name: str) -> Optional[str]:
         """"training" or "inference" by the first word of ``name`` that names either."""

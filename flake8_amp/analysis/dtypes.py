@@ -69,6 +69,7 @@ from flake8_amp.analysis.names import (
     assigned_value,
     calls_in_order,
     code_frame,
+    conditional_in,
     enclosing_class,
     is_self,
     keyword_value,
@@ -83,6 +84,8 @@ from flake8_amp.analysis.regions import BF16, CPU, CUDA, FP16, Region
 
 FP32, LOW, INT = "fp32", "low", "int"
 LOW_KINDS = frozenset({FP16, BF16, LOW})
+#: Comprehensions making sequences, whose element ``_tensors`` reads.
+COMPREHENSIONS = (nodes.ListComp, nodes.GeneratorExp)
 
 DTYPE_CONSTANTS: Dict[str, str] = {
     "torch.float16": FP16,
@@ -579,6 +582,11 @@ class Dtypes:
             return kinds.pop() if len(kinds) == 1 else None
         if isinstance(expr, nodes.Dict):
             return self._dict_kind(expr, depth)
+        if isinstance(expr, nodes.Compare):
+            return INT  # a mask (``fg = prob > 0.5``), bool: the other operand's dtype wins
+        if isinstance(expr, (nodes.List, nodes.Tuple, nodes.ListComp)):
+            # the one kind of its tensors, as for a dict (``return outs + [p6, p7]``)
+            return self._tensors(expr, depth)
         return None
 
     def _dict_kind(self, expr: nodes.Dict, depth: int) -> Optional[str]:
@@ -624,8 +632,14 @@ class Dtypes:
             return kinds.pop() if len(kinds) == 1 else None
         if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
             return self._of(expr.elt, depth)
-        if isinstance(expr, nodes.Name):  # ``heads = []`` filled by ``heads.append(head)``
-            items = self.names.list_items(expr)
+        if isinstance(expr, nodes.Name):
+            values = [assigned_value(b) for b in self.names.earlier_bindings(expr)]
+            if values and all(isinstance(v, COMPREHENSIONS) for v in values):
+                # ``outs = [conv(x) for ...]`` where it is read (``outs = [o + y for o in outs]``
+                # after it holds other elements)
+                kinds = {self._of(value.elt, depth) for value in values}
+                return kinds.pop() if len(kinds) == 1 else None
+            items = self.names.list_items(expr)  # ``heads = []``, ``heads.append(head)``
             if items:
                 kinds = {self._of(item, depth) for item in items}
                 return kinds.pop() if len(kinds) == 1 else None
@@ -634,7 +648,41 @@ class Dtypes:
     def _name(self, name: nodes.Name, depth: int) -> Optional[str]:
         """The one kind of the bindings that reach ``name`` (cached like expressions, so a
         value carried round a loop is seen as a cycle, see :meth:`_agreeing`)."""
-        return self._agreeing(self.names.earlier_bindings(name), depth)
+        bindings = self.names.earlier_bindings(name)
+        return self._agreeing(self._after_layer_loops(name, bindings), depth)
+
+    def _after_layer_loops(self, name: nodes.Name, bindings: List[nodes.NodeNG]
+                           ) -> List[nodes.NodeNG]:
+        """``bindings`` less those a loop over a model's layers replaces before ``name``: in
+        ``h = obs`` / ``for layer in self.layers: h = act(layer(h))`` the loop runs at least
+        once, so ``h`` after it is the layers' output, whatever ``obs`` was."""
+        loops = [loop for loop in map(self._layer_loop, bindings) if loop is not None
+                 and not loop.parent_of(name)]
+        if not loops:
+            return bindings
+        return [b for b in bindings if not any(
+            b.statement().lineno < loop.lineno and b.scope() is loop.scope()
+            and not loop.parent_of(b) for loop in loops)]
+
+    def _layer_loop(self, binding: nodes.NodeNG) -> Optional[nodes.For]:
+        """The ``for`` over a module container (``self.layers``) whose body assigns
+        ``binding`` unconditionally, if any."""
+        statement = binding.statement()
+        loop = statement.parent
+        if not isinstance(loop, nodes.For) or statement not in loop.body or conditional_in(
+                loop, loop.scope()):
+            return None
+        iterable = loop.iter
+        if isinstance(iterable, nodes.Call) and isinstance(iterable.func, nodes.Name) and (
+                iterable.func.name in ("enumerate", "zip", "reversed") and iterable.args):
+            iterable = iterable.args[0]
+        containers = self.names.constructions(iterable) if is_self(
+            getattr(iterable, "expr", None)) else None
+        if not containers or not all(
+                self.names.class_qualname(getattr(c, "func", None)) in MODULE_CONTAINERS
+                for c in containers):
+            return None
+        return loop
 
     def _binding_kind(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
         """The kind of what ``binding`` binds: an assigned value, an unpacked element, or for
@@ -747,7 +795,10 @@ class Dtypes:
     def _unpacked(self, binding: nodes.NodeNG, depth: int) -> Optional[str]:
         """The kind of the element ``binding`` takes in an unpacking assignment or loop."""
         unpacked = unpacked_value(binding)
-        return self._element(*unpacked, depth) if unpacked is not None else None
+        if unpacked is not None:
+            return self._element(*unpacked, depth)
+        sequence = self.names.iterated(binding)
+        return self._tensors(sequence, depth) if sequence is not None else None
 
     def _element(self, value: nodes.NodeNG, index: int, depth: int) -> Optional[str]:
         """The kind of element ``index`` of ``value`` unpacked: ``a, b = x.half(), y`` (the
@@ -773,10 +824,9 @@ class Dtypes:
             element = self._followed(function, value, depth, element=index)
             if element is not None:
                 return element
-        method, receiver = method_call(value)
         name = self.op_name(value)
-        source = receiver if method is not None else (value.args[0] if value.args else None)
         if name in VALUES_AND_INDICES:
+            source = self._op_input(value)
             if index >= 2 or source is None:
                 return None
             return INT if index == 1 else self._of(source, depth)
@@ -785,6 +835,14 @@ class Dtypes:
         ):
             return None  # ``out, idx = F.max_pool2d(x, 2, return_indices=True)``
         return self._of(value, depth)
+
+    def _op_input(self, call: nodes.Call) -> Optional[nodes.NodeNG]:
+        """The tensor an op runs on: ``x`` of ``x.sort()`` and of ``torch.sort(x)``."""
+        method, receiver = method_call(call)
+        callee = self.names.callee(call)
+        if method and not (callee is not None and callee.qualname.startswith("torch.")):
+            return receiver
+        return call.args[0] if call.args else None
 
     def op_name(self, call: nodes.NodeNG) -> Optional[str]:
         """``max`` for ``x.max(1)`` and ``torch.max(x, 1)``; None for other expressions."""

@@ -509,7 +509,8 @@ class Names:
         """:meth:`reaching_bindings` but one in ``name``'s own statement: in ``x = x.half()``
         the right-hand ``x`` is the earlier value."""
         statement = name.statement()
-        return [b for b in self.reaching_bindings(name) if b.statement() is not statement]
+        return [b for b in self.reaching_bindings(name)
+                if b.statement() is not statement or _comprehension_target(b)]
 
     def parameter_default(self, name: nodes.Name) -> Optional[nodes.NodeNG]:
         """The default value of the parameter ``name`` is bound by (and nothing else), if any."""
@@ -1497,6 +1498,39 @@ def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
     if isinstance(value, (nodes.Tuple, nodes.List)) and len(value.elts) != len(target.elts):
         return None
     return value, position
+
+
+#: Methods a call of the model object runs.
+FORWARD_METHODS = frozenset({"forward", "__call__"})
+
+
+def forward_path(classdef: nodes.ClassDef) -> Set[nodes.FunctionDef]:
+    """``forward`` (or ``__call__``) of ``classdef`` and the methods they call through
+    ``self`` (``self._attention(q, k, v)``), transitively."""
+    methods = {method.name: method for method in classdef.mymethods()}
+    pending = [methods[name] for name in FORWARD_METHODS if name in methods]
+    path: Set[nodes.FunctionDef] = set()
+    while pending:
+        method = pending.pop()
+        if method in path:
+            continue
+        path.add(method)
+        for call in method.nodes_of_class(nodes.Call):
+            name, receiver = method_call(call)
+            if name in methods and is_self(receiver):
+                pending.append(methods[name])
+    return path
+
+
+def is_model_class(classdef: nodes.ClassDef) -> bool:
+    """Defines ``forward`` or derives from a ``torch.nn`` class / a ``*Module`` base."""
+    if "forward" in classdef.locals:
+        return True
+    return any(
+        last_part(base.as_string()).endswith("Module")
+        or base.as_string().startswith(("nn.", "torch.nn."))
+        for base in classdef.bases
+    )
 
 
 #: Nodes that decide whether the code in one of their parts runs.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from astroid import nodes
@@ -13,7 +14,13 @@ from flake8_amp.analysis.dtypes import (
     autocast_fp32_op,
     is_low,
 )
-from flake8_amp.analysis.names import code_frame, method_call
+from flake8_amp.analysis.names import (
+    argument_for,
+    assigned_value,
+    code_frame,
+    method_call,
+    returned_values,
+)
 from flake8_amp.analysis.regions import BF16, FP16
 from flake8_amp.engine import Check
 
@@ -71,24 +78,49 @@ class LowPrecisionReduce(Check):
             for block in frame.nodes_of_class(nodes.With, skip_klass=nodes.FunctionDef)
         )
 
-    def _chosen_bf16(self, expr: nodes.NodeNG, depth: int = 4) -> bool:
+    def _chosen_bf16(self, expr: Optional[nodes.NodeNG], depth: int = 12) -> bool:
         """The code cast these values to bf16 itself (``X = G.bfloat16()`` in a Newton-Schulz
-        iteration), directly or through names and dtype-preserving ops. bf16 keeps fp32's
-        range and PyTorch accumulates its reductions in fp32: reducing values cast to bf16 on
-        purpose is that choice, not a slip (autocast's bf16 outputs are still judged)."""
-        if depth <= 0:
+        iteration, ``[e.norm() for e in ema]`` over bf16 copies of the weights), directly or
+        through names, loops, sequences, parameters, returns and dtype-preserving ops. bf16
+        keeps fp32's range and PyTorch accumulates its reductions in fp32: reducing values
+        cast to bf16 on purpose is that choice, not a slip (autocast's bf16 outputs are still
+        judged)."""
+        if expr is None or depth <= 0:
             return False
+        names = self.context.names
+        chosen = functools.partial(self._all_chosen, depth=depth - 1)
+        if isinstance(expr, (nodes.List, nodes.Tuple)):
+            return chosen(expr.elts)
+        if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
+            return chosen([expr.elt])
         if isinstance(expr, nodes.Call):
             if self.context.dtypes.cast_target(expr) == BF16:
                 return True
             method, receiver = method_call(expr)
-            return method in PRESERVING and self._chosen_bf16(receiver, depth - 1)
+            if (method in PRESERVING or method in REDUCTIONS) and not names.qualname(expr.func):
+                return chosen([receiver])
+            if method in ("stack", "cat") and expr.args:
+                return chosen([expr.args[0]])
+            function = names.local_function(expr)
+            return function is not None and chosen(returned_values(function) or [])
         if isinstance(expr, nodes.Attribute) and expr.attrname in SAME_DTYPE_ATTRIBUTES:
-            return self._chosen_bf16(expr.expr, depth - 1)
+            return chosen([expr.expr])
         if isinstance(expr, nodes.Name):
-            values = self.context.names.assigned_values(expr) or []
-            return bool(values) and all(self._chosen_bf16(v, depth - 1) for v in values)
+            values = []
+            for binding in names.earlier_bindings(expr):
+                value = assigned_value(binding) or names.iterated(binding)
+                if value is None and isinstance(binding.parent, nodes.Arguments):
+                    function = binding.parent.parent
+                    sites = self.context.regions.call_sites(function)
+                    if not sites:
+                        return False
+                    value = [argument_for(site, binding.parent, binding.name) for site in sites]
+                values += value if isinstance(value, list) else [value]
+            return chosen(values)
         return False
+
+    def _all_chosen(self, values, depth: int) -> bool:
+        return bool(values) and all(self._chosen_bf16(value, depth) for value in values)
 
     def _reduction_input(self, node: nodes.Call) -> Optional[nodes.NodeNG]:
         """``x`` in ``x.sum()`` or ``torch.sum(x)``; None if this is not a torch reduction."""

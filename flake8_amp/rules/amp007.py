@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional, Set, Tuple
+from typing import Optional, Tuple
 
 from astroid import nodes
 
@@ -28,8 +28,8 @@ from flake8_amp.analysis.dtypes import BF16, CUDA_FP32_OPS, FP16, FP32, INT, LOW
 from flake8_amp.analysis.names import (
     attribute_not_in,
     call_argument,
-    is_self,
-    last_part,
+    forward_path,
+    is_model_class,
     method_call,
 )
 from flake8_amp.analysis.regions import CPU
@@ -207,11 +207,15 @@ class Fp16OverflowLiteral(Check):
         if possible is not None and not possible & {FP16, LOW}:
             return False  # fp32 on one path, bf16 on another: never fp16
         region = self.context.regions.autocast_at(node)
+        no_grad = self.context.grad.no_grad_at(node)
         if region is not None:
-            return region.dtype != BF16 and not self._made_fp32(typed, region)
+            if region.dtype == BF16 or self._made_fp32(typed, region):
+                return False
+            # in a function the region's code calls, under no_grad: as outside a region
+            return not (no_grad and not region.node.parent_of(node))
         # Unknown dtype outside a region: model code's activations may arrive in fp16 from the
         # caller's autocast; under no_grad there are none (targets, matching costs, masks).
-        return _in_model_code(node) and not self.context.grad.no_grad_at(node)
+        return _in_model_code(node) and not no_grad
 
     def _made_fp32(self, tensor: Optional[nodes.NodeNG], region) -> bool:
         """Every value ``tensor`` holds comes from an op CUDA autocast runs in fp32
@@ -240,8 +244,8 @@ def _keyed_by_string(subscript: nodes.Subscript) -> bool:
 
 
 def _in_model_code(node: nodes.NodeNG) -> bool:
-    """In the forward pass of a model class (see :func:`_forward_path`), or in a function
-    of a module that defines one. A model's other methods -- target assignment
+    """In the forward pass of a model class (``forward_path``), or in a function of a module
+    that defines one. A model's other methods -- target assignment
     (``areas[outside] = INF`` before ``areas.min()``), beam search, initialisation --
     work on tensors of their own dtype, not on whatever the caller's autocast produces."""
     parent = node.parent
@@ -249,47 +253,14 @@ def _in_model_code(node: nodes.NodeNG) -> bool:
     method = None
     while parent is not None:
         if isinstance(parent, nodes.ClassDef):
-            return _is_model_class(parent) and method in _forward_path(parent)
+            return is_model_class(parent) and method in forward_path(parent)
         if isinstance(parent, nodes.FunctionDef):
             in_function = True
             method = parent
         parent = parent.parent
     module = node.root()
     return in_function and any(
-        _is_model_class(statement)
+        is_model_class(statement)
         for statement in module.body
         if isinstance(statement, nodes.ClassDef)
-    )
-
-
-#: Methods a call of the model object runs.
-FORWARD_METHODS = frozenset({"forward", "__call__"})
-
-
-def _forward_path(classdef: nodes.ClassDef) -> Set[nodes.FunctionDef]:
-    """``forward`` (or ``__call__``) of ``classdef`` and the methods they call through
-    ``self`` (``self._attention(q, k, v)``), transitively."""
-    methods = {method.name: method for method in classdef.mymethods()}
-    pending = [methods[name] for name in FORWARD_METHODS if name in methods]
-    path: Set[nodes.FunctionDef] = set()
-    while pending:
-        method = pending.pop()
-        if method in path:
-            continue
-        path.add(method)
-        for call in method.nodes_of_class(nodes.Call):
-            name, receiver = method_call(call)
-            if name in methods and is_self(receiver):
-                pending.append(methods[name])
-    return path
-
-
-def _is_model_class(classdef: nodes.ClassDef) -> bool:
-    """Defines ``forward`` or derives from a ``torch.nn`` class / a ``*Module`` base."""
-    if "forward" in classdef.locals:
-        return True
-    return any(
-        last_part(base.as_string()).endswith("Module")
-        or base.as_string().startswith(("nn.", "torch.nn."))
-        for base in classdef.bases
     )

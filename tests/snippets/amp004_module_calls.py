@@ -1680,3 +1680,140 @@ def train_multi_task(loader, optimizer, scaler):
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
+
+
+# A feature pyramid: outputs collected in a list comprehension, fused by iterating over it,
+# returned as a list concatenation, and each level iterated again by the head.
+class Pyramid(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lateral = nn.ModuleList(nn.Conv2d(dim, dim, 1) for _ in range(3))
+        self.extra = nn.Conv2d(dim, dim, 3, 2, 1)
+
+    def forward(self, feats):
+        outs = [conv(f) for conv, f in zip(self.lateral, feats)]
+        fused = torch.stack([F.interpolate(o, size=outs[1].shape[-2:]) for o in outs]).mean(0)  # AMP004
+        return outs + [self.extra(fused)]
+
+
+class LevelAttention(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x.mean(dim=(2, 3), keepdim=True))  # AMP004
+
+
+class PyramidHead(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attention = LevelAttention()
+        self.score = nn.Conv2d(dim, 1, 1)
+
+    def forward(self, levels):
+        return [self.score(self.attention(level)) for level in levels]
+
+
+class PyramidDetector(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.pyramid = Pyramid(dim)
+        self.head = PyramidHead(dim)
+
+    def forward(self, feats):
+        levels = self.pyramid(feats)
+        return self.head(levels), [level.float().mean() for level in levels]
+
+
+def train_pyramid(loader, optimizer, scaler):
+    model = PyramidDetector(16).cuda()
+    for feats, target in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            scores, _ = model(feats)
+            loss = sum(s.float().mean() for s in scores) - target
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# A set encoder whose layers loop replaces its raw input: the pooled mean is of fp16 layers.
+class SetEncoder(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+
+    def forward(self, entities, mask):
+        h = entities
+        for layer in self.layers:
+            h = F.relu(layer(h))
+        keep = mask > 0
+        return (h * keep[..., None]).mean(dim=1)  # AMP004
+
+
+class ConditionalSetEncoder(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+
+    def forward(self, entities, deep):
+        h = entities
+        if deep:
+            for layer in self.layers:
+                h = F.relu(layer(h))
+        return h.mean(dim=1)
+
+
+# A model's method named for its predictions runs in its forward: it is training code.
+class MaskedQueryHead(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.embed = nn.Linear(dim, dim)
+
+    def forward(self, queries, features):
+        return self.prediction_heads(queries, features)
+
+    def prediction_heads(self, queries, features):
+        prob = torch.einsum("bqc,bchw->bqhw", self.embed(queries), features).sigmoid()
+        return (prob * (prob > 0.5)).flatten(2).mean(-1)  # AMP004
+
+
+def train_sets(loader, optimizer, scaler):
+    encoder, conditional, head = SetEncoder(8).cuda(), ConditionalSetEncoder(8), MaskedQueryHead(8)
+    for entities, mask, features in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = encoder(entities, mask).float().sum() + conditional(entities, False).sum()
+            loss = loss + head(entities, features).float().sum()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# Reductions over values the code itself keeps in bf16 (an EMA of the weights): that choice.
+@torch.no_grad()
+def init_bf16_ema(model):
+    return [p.detach().bfloat16().clone() for p in model.parameters()]
+
+
+@torch.no_grad()
+def bf16_ema_norm(ema, model, decay=0.999):
+    for e, p in zip(ema, model.parameters()):
+        e.lerp_(p.detach().bfloat16(), 1 - decay)
+    return torch.stack([e.norm() for e in ema]).norm()
+
+
+def train_with_bf16_ema(loader, optimizer):
+    model = Projection(8).cuda()
+    ema = init_bf16_ema(model)
+    for x in loader:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().mean()
+        loss.backward()
+        optimizer.step()
+        print(bf16_ema_norm(ema, model))
+
+
+def sorted_depths(z_coarse, z_fine):
+    z_all, _ = torch.sort(torch.cat([z_coarse.half(), z_fine.half()], dim=-1), dim=-1)
+    return z_all.mean(dim=-1)  # AMP004
+
+
+def sorted_depths_fp32(z_coarse, z_fine):
+    z_all, _ = torch.sort(torch.cat([z_coarse.float(), z_fine.float()], dim=-1), dim=-1)
+    return z_all.mean(dim=-1)
