@@ -494,7 +494,7 @@ def _outcome_line(outcome) -> str:
     origin = outcome.origin
     if origin is None:
         return f"{head} the replayed step stayed finite"
-    if origin.phase == "parameter":
+    if origin.phase in ("parameter", "input"):
         return f"{head} {origin.clause()}"
     at = f" at {origin.source}" if origin.source else ""
     if origin.phase == "forward":

@@ -32,13 +32,16 @@ every weight), goes unexplained. Instead, the step is re-run:
   non-finite (for a step a GradScaler skipped, AMP107/AMP108 name it: nothing else would).
   Before all that, one pass over the trained parameters: one already NaN/Inf (a checkpoint saved
   after an overflow, weights an unscaled step wrote NaN into) is where every op's NaN comes
-  from, and no op of the step can be blamed; it is the origin then.
+  from, and no op of the step can be blamed; it is the origin then. After them, where no op and
+  no parameter made it, one pass over the calls' floating-point inputs: a batch already holding
+  NaN/Inf (a missing value in the data) is the origin.
 * Restore. RNG states, buffers (BatchNorm statistics) and training flags are put back; ``.grad``
   is never touched (the replayed backward uses ``torch.autograd.grad``). The user's run goes on
   bit-identical.
 
 One replay per anomaly episode: requests while an episode is open (until
-``Thresholds.auto_quiet_steps`` steps pass without one) extend it and are ignored. A skipped
+``Thresholds.auto_quiet_steps`` steps pass without one) extend it and are answered with the
+step that was replayed for it. A skipped
 step whose replay found nothing (the scale settling at start-up overflows only the scaled
 backward) opens no episode: the next skips are replayed too, the first few at once, then 2,
 4, 8 ... steps apart (at most ``auto_quiet_steps``), so a real overflow that starts during the
@@ -143,8 +146,9 @@ class RootCall:
 class Origin:
     """Where a replay found a step's first non-finite value."""
 
-    #: "forward" (AMP101 found it), "backward" (the first autograd node with non-finite grads)
-    #: or "parameter" (a trained parameter already non-finite before the forward).
+    #: "forward" (AMP101 found it), "backward" (the first autograd node with non-finite grads),
+    #: "parameter" (a trained parameter already non-finite before the forward) or "input" (a
+    #: floating-point input of the model call already non-finite, where no op made the NaN).
     phase: str
     op: Optional[str]
     module: Optional[str]
@@ -157,7 +161,7 @@ class Origin:
 
     def clause(self) -> str:
         """What a step-level finding (AMP112) adds about where the step's NaN/Inf came from."""
-        if self.phase == "parameter":
+        if self.phase in ("parameter", "input"):
             return f"the forward started from {self.describe()}"
         where = f" at {self.source}" if self.source else ""
         if self.phase == "forward":
@@ -167,9 +171,13 @@ class Origin:
     def describe(self) -> str:
         """``linear in blocks.2.fc2``; ``the backward of sqrt in head``; a node that no op of
         the replay created (a custom autograd Function's) by its own name."""
+        details = self.details
         if self.phase == "parameter":
-            details = self.details
             return f"the parameter {details['parameter']} ({details['kind']} before the forward)"
+        if self.phase == "input":
+            call = f" {which_call(details)}" if "calls" in details else ""
+            return (f"input {details['input']} of {self.module}{call}, already "
+                    f"{details['kind']} (the batch, not an op)")
         if self.phase == "backward" and self.op == self.details.get("node"):
             return f"autograd node {self.op}" + (f" in {self.module}" if self.module else "")
         what = f"the backward of {self.op}" if self.phase == "backward" else str(self.op)
@@ -207,13 +215,23 @@ class Outcome:
 
 def input_tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     """Tensors among a call's arguments, one level into lists, tuples and dicts."""
-    for value in (*args, *kwargs.values()):
+    for _, tensor in named_inputs(args, kwargs):
+        yield tensor
+
+
+def named_inputs(args: tuple, kwargs: dict) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``input_tensors`` with how the call passed each: ``argument 0``, ``mask``,
+    ``argument 1[2]``, ``batch['x']``."""
+    arguments = [(f"argument {i}", value) for i, value in enumerate(args)]
+    for name, value in [*arguments, *kwargs.items()]:
         if isinstance(value, torch.Tensor):
-            yield value
+            yield name, value
         elif isinstance(value, (list, tuple)):
-            yield from tensors_in(value)
+            for index, item in enumerate(value):
+                yield from ((f"{name}[{index}]", t) for t in tensors_in(item))
         elif isinstance(value, dict):
-            yield from (v for v in value.values() if isinstance(v, torch.Tensor))
+            yield from ((f"{name}[{key!r}]", v) for key, v in value.items()
+                        if isinstance(v, torch.Tensor))
 
 
 def autocast_state() -> Tuple[Tuple[str, torch.dtype], ...]:
@@ -549,6 +567,28 @@ def _nonfinite_parameter(modules: Sequence[torch.nn.Module],
     return None
 
 
+def _nonfinite_input(calls: Sequence[RootCall], readings: Readings,
+                     tracker) -> Optional[Origin]:
+    """The first floating-point input of the step's model calls holding NaN/Inf, as an origin:
+    for a step whose replay found no op and no parameter that made it (a batch with a missing
+    value). One fused pass, one read."""
+    found = [(call, name, tensor) for call in calls
+             for name, tensor in named_inputs(call.args, call.kwargs)
+             if tensor.is_floating_point() and readable(tensor)]
+    if not found:
+        return None
+    with torch.no_grad():
+        peaks = torch._foreach_norm([tensor.detach() for *_, tensor in found], math.inf)
+    for (call, name, _), value in zip(found, readings.read_now(peaks)):
+        if not math.isfinite(value):
+            details = {"input": name, "kind": nonfinite_kind(value)}
+            if calls[-1].number > 1:
+                details.update(call=call.number, calls=calls[-1].number)
+            return Origin("input", None, tracker.name_of(call.module),
+                          format_location(call.location)[0], details)
+    return None
+
+
 def _recomputing() -> bool:
     """A module runs inside a backward: activation checkpointing recomputing its forward (on
     the CPU in the caller's thread), not a call of the step's forward."""
@@ -698,6 +738,7 @@ class StepReplay(Monitor):
         #: Requests up to this step belong to an open episode; skips up to the other are not
         #: replayed (skip replays found nothing), and how many in a row found nothing.
         self._episode_until = -1
+        self._episode_step = -1
         self._skip_episode_until = -1
         self._unexplained_skips = 0
         self._optimizer_steps = 0
@@ -780,19 +821,21 @@ class StepReplay(Monitor):
     # -- requests ------------------------------------------------------------------------------
 
     def request(self, code: str, step: int) -> Optional[Outcome]:
-        """A judge found ``code`` in ``step``: replay that step now, unless an episode is open
-        (None) or it was replayed already. Its outcome; ``skipped`` says why it did not run."""
+        """A judge found ``code`` in ``step``: replay that step now, unless it was replayed
+        already, an episode is open (an outcome saying which step was replayed for it) or the
+        skips are backing off (None). Its outcome; ``skipped`` says why it did not run."""
         if self.replaying or self.guard.suspended:
-            return None
-        quiet = self.guard.thresholds.auto_quiet_steps
-        if step <= self._episode_until:
-            self._episode_until = max(self._episode_until, step + quiet)
-            return None
-        if code == SKIPPED and step <= self._skip_episode_until:
             return None
         outcome = self.outcome_of(step)
         if outcome is not None:
             return outcome
+        quiet = self.guard.thresholds.auto_quiet_steps
+        if step <= self._episode_until:
+            self._episode_until = max(self._episode_until, step + quiet)
+            return Outcome(step, (code,), skipped=(
+                f"step {self._episode_step} was replayed for this episode"))
+        if code == SKIPPED and step <= self._skip_episode_until:
+            return None
         outcome = Outcome(step, (code,))
         try:
             self._replay_step(outcome, self._calls_of(step))
@@ -856,7 +899,8 @@ class StepReplay(Monitor):
         if origin is None:
             return {**kwargs, "details": details}
         cause = {"forward": f"caused by the non-finite output of {origin.describe()}, AMP101",
-                 "parameter": f"caused by {origin.describe()}"}.get(
+                 "parameter": f"caused by {origin.describe()}",
+                 "input": f"caused by {origin.describe()}"}.get(
                      origin.phase, f"first non-finite in {origin.describe()}")
         details["origin"] = origin.to_json()
         return {**kwargs, "where": f"{kwargs['where']} ({cause})", "op": origin.op,
@@ -909,6 +953,7 @@ class StepReplay(Monitor):
         quiet = self.guard.thresholds.auto_quiet_steps
         if set(outcome.triggers) - {SKIPPED} or outcome.origin is not None:
             self._episode_until = outcome.step + quiet
+            self._episode_step = outcome.step
             self._unexplained_skips = 0
         else:  # nothing found: look again at the next skips, then less and less often
             self._unexplained_skips += 1
@@ -952,6 +997,9 @@ class StepReplay(Monitor):
                     outcome.origin = _nonfinite_parameter(modules, guard.readings)
                     if outcome.origin is None:
                         self._run(outcome, calls, trace, localize, params, observed)
+                    if (outcome.origin is None and outcome.step not in self._forward_causes
+                            and self.failure is None):
+                        outcome.origin = _nonfinite_input(calls, guard.readings, guard.tracker)
             finally:  # also when a finding or the guard's own code raises: the run stops there
                 self.replaying = False
                 self._save_once(outcome, calls, modules, observed)

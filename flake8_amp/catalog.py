@@ -283,7 +283,8 @@ _RULES: Tuple[Rule, ...] = (
         "AMP105", "grad-vanishing", "P1", (RUNTIME,),
         "{detail}",
         "check the loss's magnitude (a tiny loss gives tiny gradients everywhere), then "
-        "initialisation, activations and normalisation of the layers named",
+        "initialisation, activations and normalisation (of the layers named, if any), and "
+        "weights that grew until their activations saturate",
         "gradients vanishing (total or per layer)",
         """A total gradient norm below 1e-6, or a layer whose gradients are all below
         1e-10 (including exactly zero), means those weights no longer learn.""",
@@ -316,8 +317,9 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP108", "loss-scale-decline", "P1", (RUNTIME,),
         "loss scale fell to {scale:g} ({reason}){cause}",
-        "repeated overflows: look for the op or parameter the replay names and AMP101/AMP102 "
-        "events",
+        "repeated overflows: fix the op or parameter this message or an AMP101/AMP102 names; "
+        "where none is named, the overflow is in the scaled backward only: look for a loss "
+        "with large gradients (unnormalised regression targets, a sum instead of a mean)",
         "loss scale declining",
         """Five consecutive decreases once a step has gone through, a scale below 1/100
         of its initial value, or below 128 and falling means overflows keep happening
@@ -359,14 +361,16 @@ _RULES: Tuple[Rule, ...] = (
         "AMP112", "nonfinite-loss", "P0", (RUNTIME,),
         "loss is {kind} when backward starts{cause}",
         "fix the first non-finite value: this step's AMP101 where the model made it, a "
-        "parameter already non-finite, else the loss or its inputs (labels, targets)",
+        "parameter or a model input (the batch) already non-finite, else the loss or its "
+        "inputs (labels, targets)",
         "NaN/Inf loss at backward",
         """A NaN/Inf loss propagates into every gradient. Without a GradScaler the
         step corrupts the weights; with one, it is skipped and the scale drops.""",
         """Fix the first op producing NaN/Inf: where the model's forward made it, the
         replay of this step names it (AMP101), or the trained parameter that was already
-        NaN/Inf before the forward (a checkpoint saved after an overflow); where the replay
-        finds neither, look at the loss and what it was given (a NaN label).
+        NaN/Inf before the forward (a checkpoint saved after an overflow), or the input of
+        the model call that was (a batch with a missing value); where the replay finds none
+        of these, look at the loss and what it was given (a NaN label).
         ``details["replay"]`` says why when it could not run (then ``trace="always"`` traces
         every step).""",
     ),

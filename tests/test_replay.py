@@ -6,6 +6,7 @@ bit-identical to the unguarded one, and healthy runs silent.
 """
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,13 +79,14 @@ EMBED_SOURCE = f"{THIS_FILE}:{line_of(Net.forward, '# embed call')}"
 
 
 def train(steps, *, scaler=False, weight_fault=(), restore_weight=False, bad_batch=(),
-          masked_sample=(), micro_steps=1, bad_micro_step=None, model=None, grads_seen=None,
-          **model_options):
+          nan_batch=(), masked_sample=(), micro_steps=1, bad_micro_step=None, model=None,
+          grads_seen=None, **model_options):
     """fp16 CPU autocast training of Net with injected faults; returns (losses, model).
 
     ``weight_fault``: steps where blocks[2].fc2's weight is multiplied by 1e6 (then left so, or
     put back after the step with ``restore_weight``); ``bad_batch``: steps whose batch is 1e6
-    times too large; ``masked_sample``: steps where one sample's mask is 0; ``bad_micro_step``:
+    times too large; ``nan_batch``: steps whose batch holds a NaN (a missing value in the data);
+    ``masked_sample``: steps where one sample's mask is 0; ``bad_micro_step``:
     with ``micro_steps`` > 1, the (step, micro-step) whose batch is bad. ``grads_seen``: a list
     receiving a copy of every gradient just before each optimizer step.
     """
@@ -111,6 +113,8 @@ def train(steps, *, scaler=False, weight_fault=(), restore_weight=False, bad_bat
                 target = x.sum(dim=1, keepdim=True).tanh()
                 if step in bad_batch or (step, micro) == bad_micro_step:
                     x = x * 1e6
+                if step in nan_batch:
+                    x[3, 0] = math.nan
                 mask = torch.ones(8, 1)
                 if step in masked_sample:
                     mask[3] = 0
@@ -329,6 +333,45 @@ def test_one_replay_per_anomaly_episode():
         thresholds=amp_runtime.Thresholds(auto_quiet_steps=4)))
     # the fault repeats at every step from 5 on: later steps are traced live, not replayed
     assert [e.step for e in replayed(g)] == [5]
+
+
+def test_a_step_of_an_open_episode_says_which_step_was_replayed_for_it():
+    g, _ = guarded(steps=8, scaler=True, nan_batch={5, 6})
+    first, second = g.report.by_code("AMP112")
+    assert first.details["replay"]["skipped"] is None
+    assert second.step == 6 and "not replayed: step 5 was replayed for this episode" in (
+        second.message)
+
+
+def test_a_nan_in_the_batch_is_named_as_the_models_input_not_an_op():
+    """No op made the NaN: every op only propagates it, so there is no AMP101 to blame; the
+    replay names the model call's input instead."""
+    options = dict(steps=8, scaler=True, nan_batch={5})
+    g, result = guarded(**options)
+    assert not g.report.by_code("AMP101")
+    (event,) = g.report.by_code("AMP112")
+    origin = event.details["replay"]["origin"]
+    assert (event.step, origin["phase"], origin["input"], origin["kind"]) == (
+        5, "input", "argument 0", "NaN")
+    assert "the forward started from input argument 0 of Net, already NaN" in event.message
+    assert_same_run(train(**options), result)
+
+
+def test_the_input_named_is_that_of_the_call_that_held_it():
+    g, _ = guarded(steps=4, scaler=True, micro_steps=3, nan_batch={2})
+    (event,) = g.report.by_code("AMP112")[:1]
+    origin = event.details["replay"]["origin"]
+    assert (origin["phase"], origin["call"], origin["calls"]) == ("input", 1, 3)
+    assert "(forward call 1 of 3)" in event.message
+
+
+def test_a_loss_gone_to_minus_infinity_says_so():
+    weight = torch.ones(4, requires_grad=True)
+    with amp_runtime.guard(policy="record") as g:
+        loss = torch.log(weight.sum() * 0.0)
+        loss.backward()
+    (event,) = g.report.by_code("AMP112")
+    assert event.message.startswith("loss is -inf when backward starts")
 
 
 # -- readings judged late (a GPU behind the host: issue 12's LaggingReadings) --------------------

@@ -77,7 +77,7 @@ def writes_in_place(func, kwargs) -> bool:
 
 
 def nonfinite_kind(value: float) -> str:
-    return "NaN" if math.isnan(value) else "inf"
+    return "NaN" if math.isnan(value) else "-inf" if value < 0 else "inf"
 
 
 class TracedOp(NamedTuple):
