@@ -306,7 +306,9 @@ _RULES: Tuple[Rule, ...] = (
     _rule(
         "AMP107", "loss-scale-collapse", "P0", (RUNTIME,),
         "loss scale collapsed to {scale:g} and is not rising{cause}",
-        "fix the op or parameter the replay names; trace='always' traces every step",
+        "fix the op or parameter this message or an AMP101 names; where none is named, the "
+        "overflow is in the scaled backward only: look for a loss with large gradients "
+        "(a term weighted by a large constant, unnormalised regression targets)",
         "loss scale at or below 1 and not recovering",
         """GradScaler halves the scale on every overflow. At a scale of 1 or less,
         every step still overflows: no step is taken and training has stalled.""",

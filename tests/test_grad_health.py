@@ -276,17 +276,21 @@ class MultiTask(torch.nn.Module):
         return self.heads[task](self.trunk(x))
 
 
-def multitask_steps(model, steps, task_of_step, fp16=True, set_to_none=False):
+def multitask_steps(model, steps, task_of_step, fp16=True, set_to_none=False, overflow_at=()):
+    """``overflow_at``: steps whose loss overflows the scaled backward (the scaler skips them)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16, init_scale=1024.0)
+    scales = []
     for step in range(steps):
         with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
             out = model(torch.randn(4, 8), task_of_step(step))
-        loss = (out.float() - 1).pow(2).mean()
+        loss = (out.float() - 1).pow(2).mean() * (1e35 if step in overflow_at else 1.0)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=set_to_none)
+        scales.append(scaler.get_scale())
+    return scales
 
 
 @pytest.mark.parametrize("fp16", [True, False])
@@ -296,6 +300,15 @@ def test_heads_the_step_did_not_use_are_not_vanishing_with_kept_zero_gradients(f
     model = MultiTask()
     with amp_runtime.guard(policy="record", model=model) as g:
         multitask_steps(model, 12, task_of_step=lambda step: step % 3, fp16=fp16)
+    assert not g.report.by_code("AMP105")
+
+
+def test_a_head_trained_only_in_a_skipped_step_is_not_vanishing_in_the_next():
+    """The skipped step's backward reached the head; the next step's did not."""
+    model = MultiTask()
+    with amp_runtime.guard(policy="record", model=model) as g:
+        scales = multitask_steps(model, 12, task_of_step=lambda step: step % 3, overflow_at={7})
+    assert scales[7] == scales[6] / 2  # the scaler skipped step 7
     assert not g.report.by_code("AMP105")
 
 

@@ -388,7 +388,7 @@ class ReachedParameters:
     def __init__(self, monitor: Monitor):
         self._monitor = monitor
         self._watched: Dict[int, weakref.ref] = {}
-        #: Watched parameters a backward accumulated into since their last sample.
+        #: Watched parameters a backward of this step accumulated into.
         self._reached: Set[int] = set()
 
     def watch(self, params: Iterable[torch.Tensor]) -> None:
@@ -403,8 +403,12 @@ class ReachedParameters:
     def _accumulated(self, param: torch.Tensor) -> None:
         self._reached.add(id(param))
 
+    def step_ended(self) -> None:
+        """Forget the reaches of a step no optimizer sampled (a step the GradScaler skipped)."""
+        self._reached.clear()
+
     def take(self, params: Sequence[torch.Tensor]) -> Tuple[FrozenSet[int], FrozenSet[int]]:
-        """Which of ``params`` are watched, and which of those were reached since last taken."""
+        """Which of ``params`` are watched, and which of those this step's backward reached."""
         if not self._watched:
             return frozenset(), frozenset()
         watched = frozenset(id(p) for p in params if id(p) in self._watched)
@@ -421,9 +425,10 @@ def unreached_parameters(samples: Sequence[GradSample], layers: Sequence[LayerGr
 
     The gradients of the guard's first step (``fresh``) were made by it. Later, a gradient tensor
     other than the one sampled last time (``before``: name -> id of the gradient, None when there
-    was no sample) was made by this step's backward. A kept one was reached if a watch saw the
-    backward accumulate into it; unwatched, it is undecided and counts as it did before (its layer
-    among those ``reported``) until the next step tells."""
+    was no sample) was made by this step's backward. One that was not there at the last sample
+    may have been made by a step the GradScaler skipped, and is kept like the others. A kept one
+    was reached if a watch saw the backward accumulate into it; unwatched, it is undecided and
+    counts as it did before (its layer among those ``reported``) until the next step tells."""
     zero = {g.name for g in layers if g.norm == 0.0}
     unreached: Set[str] = set()
     unknown: List[torch.Tensor] = []
@@ -433,7 +438,7 @@ def unreached_parameters(samples: Sequence[GradSample], layers: Sequence[LayerGr
         for name, param, grad_id in zip(sample.names, sample.params, sample.grad_ids):
             if name not in zero or id(param) in sample.reached:
                 continue
-            if before is not None and before.get(name) != grad_id:
+            if before is not None and before.get(name, grad_id) != grad_id:
                 continue  # made anew by this step's backward
             if id(param) not in sample.watched:
                 unknown.append(param)
@@ -608,6 +613,7 @@ class GradHealth(Monitor):
         if not self.sampled_optimizers and self.guard.manual_steps and self.guard.model is not None:
             self._submit(None, self._sample(list(self.guard.model.parameters())), [])
         self.unscaled.clear()  # no optimizer stepped on them: the scaler skipped the step
+        self.reached.step_ended()
         self.sampled_optimizers = set()
         self.deferred.clear()
         self.clip_norms.clear()

@@ -582,12 +582,32 @@ class Dtypes:
             return kinds.pop() if len(kinds) == 1 else None
         if isinstance(expr, nodes.Dict):
             return self._dict_kind(expr, depth)
+        if isinstance(expr, nodes.DictComp):  # ``{name: head(x) for name, head in ...}``
+            return self._of(expr.value, depth)
         if isinstance(expr, nodes.Compare):
             return INT  # a mask (``fg = prob > 0.5``), bool: the other operand's dtype wins
+        if isinstance(expr, (nodes.List, nodes.Tuple)) and not expr.elts:
+            return self._filled(expr, depth)
         if isinstance(expr, (nodes.List, nodes.Tuple, nodes.ListComp)):
             # the one kind of its tensors, as for a dict (``return outs + [p6, p7]``)
             return self._tensors(expr, depth)
         return None
+
+    def _filled(self, empty: nodes.NodeNG, depth: int) -> Optional[str]:
+        """The one kind of what a function appends to the empty list it binds to a name
+        (``fmap = []`` ... ``fmap.append(x)``, also ``scores, fmaps = [], []``)."""
+        parent, target = empty.parent, None
+        if isinstance(parent, nodes.Assign) and len(parent.targets) == 1:
+            target = parent.targets[0]
+        elif isinstance(parent, nodes.Tuple) and isinstance(parent.parent, nodes.Assign):
+            targets = parent.parent.targets
+            if (len(targets) == 1 and isinstance(targets[0], nodes.Tuple)
+                    and len(targets[0].elts) == len(parent.elts)):
+                target = targets[0].elts[parent.elts.index(empty)]
+        if not isinstance(target, nodes.AssignName):
+            return None
+        items = self.names.list_items(target)
+        return self._agreeing(items, depth) if items else None
 
     def _dict_kind(self, expr: nodes.Dict, depth: int) -> Optional[str]:
         """The one kind of the tensors a dict holds (a model's outputs): its literal values

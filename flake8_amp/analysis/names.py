@@ -239,6 +239,12 @@ class Names:
                 if func.attrname in entry.locals:
                     return self.method_of(entry, func.attrname)
             return None
+        if isinstance(func, nodes.Attribute) and isinstance(func.expr, nodes.Name):
+            # ``SeparateHead.branch(c, 64, n)``: a static or class method of this module's class
+            classes = [b for b in self.bindings(func.expr) if isinstance(b, nodes.ClassDef)]
+            method = self.method_of(classes[0], func.attrname) if len(classes) == 1 else None
+            if method is not None and _decorated(method, ("staticmethod", "classmethod")):
+                return method
         if isinstance(func, nodes.Attribute) and func.attrname not in _RETURNS_SELF:
             # ``model.encode(x)`` for ``model = Net()``: unless ``encode`` is an attribute
             # holding something else (``self.encode = nn.Linear(...)``)
@@ -547,6 +553,52 @@ class Names:
             return self.argument_values(expr)
         return values
 
+    def keyed_values(self, subscript: nodes.Subscript) -> Optional[List[nodes.NodeNG]]:
+        """What ``d["key"]`` holds where the code shows everything put under that key: the
+        entries of the dict literals ``d`` is bound to and the ``d["key"] = v`` stores of
+        their function, also for a dict a function of this module builds and returns
+        (``data = load_dataset(...)`` after ``data["scaler"] = scaler; return data``). None
+        for other subscripts, or when a dict's origin is unknown."""
+        key = subscript.slice
+        if not (isinstance(key, nodes.Const) and isinstance(key.value, str)
+                and isinstance(subscript.value, nodes.Name)):
+            return None
+        dicts = self._dict_bindings(subscript.value)
+        if not dicts:
+            return None
+        values: List[nodes.NodeNG] = []
+        for name, literal in dicts:
+            values += [v for k, v in literal.items
+                       if isinstance(k, nodes.Const) and k.value == key.value]
+            for statement in literal.frame().nodes_of_class(nodes.Assign):
+                values += [statement.value for target in statement.targets
+                           if isinstance(target, nodes.Subscript)
+                           and isinstance(target.value, nodes.Name)
+                           and target.value.name == name
+                           and isinstance(target.slice, nodes.Const)
+                           and target.slice.value == key.value]
+        return values or None
+
+    def _dict_bindings(self, name: nodes.Name, hops: int = 2
+                       ) -> Optional[List[Tuple[str, nodes.Dict]]]:
+        """``(name, dict literal)`` of each dict ``name`` may hold: bound to a literal in its
+        function, or returned by a function of this module that binds it so."""
+        found: List[Tuple[str, nodes.Dict]] = []
+        for value in self.assigned_values(name) or [None]:
+            if isinstance(value, nodes.Dict):
+                found.append((name.name, value))
+                continue
+            function = self.local_function(value) if isinstance(value, nodes.Call) else None
+            returns = returned_values(function) if function is not None and hops else None
+            if not returns or not all(isinstance(r, nodes.Name) for r in returns):
+                return None
+            for returned in returns:
+                inner = self._dict_bindings(returned, hops - 1)
+                if not inner:
+                    return None
+                found += inner
+        return found
+
     def assigned_values(self, name: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """The expressions assigned to ``name`` where it is used, or None if any binding
         is not an assignment of a known value (parameters, loops, imports, unpacking of an
@@ -745,6 +797,9 @@ class Names:
                 [self._passed_back(expr, function, value) for value in returns or []], depth
             )
         if isinstance(expr, nodes.Subscript):
+            stored = self.keyed_values(expr)
+            if stored is not None:  # ``data["scaler"]`` of a dict the file fills
+                return self._all_constructions(stored, depth)
             containers = self.constructions(expr.value, depth)
             if isinstance(expr.slice, nodes.Slice):  # ``self.layers[:-1]``: the same kind
                 return containers
@@ -1028,7 +1083,7 @@ class Names:
             return [expr.elt]  # ``nn.ModuleList(Block(d) for _ in range(n))`` too
         if isinstance(expr, nodes.Call):
             return self._returned_items(expr)
-        if not isinstance(expr, nodes.Name):
+        if not isinstance(expr, (nodes.Name, nodes.AssignName)):
             return None
         bindings = self.bindings(expr)
         if not bindings:
@@ -1102,6 +1157,8 @@ class Names:
             return self._added_by(call)
         if isinstance(parent, (nodes.For, nodes.Comprehension)) and parent.iter is use:
             return []  # iterated over
+        if isinstance(parent, nodes.Tuple) and isinstance(parent.parent, nodes.Return):
+            parent = parent.parent  # ``return scores, fmaps``
         if isinstance(parent, nodes.Return):
             return []  # handed back whole (``return layers`` of a block builder)
         if isinstance(parent, nodes.Starred):
@@ -1197,11 +1254,33 @@ class Names:
 
     def self_attribute_values(self, attribute: nodes.Attribute) -> List[nodes.NodeNG]:
         """Values assigned (or registered as a buffer or parameter) to ``self.<attr>``
-        anywhere in the enclosing class's methods."""
+        anywhere in the enclosing class's methods; where they assign none, in the methods of
+        the classes of this module its objects may be (its bases and the subclasses: a base
+        class's ``forward`` looping over the ``self.convs`` each subclass builds)."""
         classdef = enclosing_class(attribute)
         if classdef is None:
             return []
-        return self._self_attributes(classdef).get(attribute.attrname, [])
+        own = self._self_attributes(classdef).get(attribute.attrname)
+        if own:
+            return own
+        return [value for related in self._classes_sharing_objects(classdef)
+                for value in self._self_attributes(related).get(attribute.attrname, [])]
+
+    def _classes_sharing_objects(self, classdef: nodes.ClassDef) -> List[nodes.ClassDef]:
+        """The classes of this module in the MRO of ``classdef`` or of a subclass of it, where
+        no base from elsewhere but ``nn.Module`` (whose code assigns none of the user's
+        attributes) is among them."""
+        related: List[nodes.ClassDef] = []
+        for other in self.module_classes:
+            mro = self.class_mro(other)
+            if not mro or classdef not in mro:
+                continue
+            if not all(isinstance(entry, nodes.ClassDef) or entry in _BARE_BASES
+                       for entry in mro):
+                return []
+            related.extend(e for e in mro if isinstance(e, nodes.ClassDef)
+                           and e is not classdef and e not in related)
+        return related
 
     def _self_attributes(self, classdef: nodes.ClassDef) -> Dict[str, List[nodes.NodeNG]]:
         found = self._class_attributes.get(classdef)
@@ -1533,6 +1612,10 @@ def is_model_class(classdef: nodes.ClassDef) -> bool:
     )
 
 
+#: Bases from elsewhere whose code assigns none of a subclass's attributes.
+_BARE_BASES = frozenset({"torch.nn.Module", "nn.Module", "torch.nn.modules.module.Module"})
+
+
 #: Nodes that decide whether the code in one of their parts runs.
 _CHOICES = (nodes.If, nodes.IfExp, nodes.MatchCase, nodes.ExceptHandler, nodes.BoolOp)
 
@@ -1622,14 +1705,19 @@ def _list_binding_value(binding: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     return literal_value(binding)
 
 
+def _decorated(function: nodes.FunctionDef, names: Tuple[str, ...]) -> bool:
+    """``function`` has one of the decorators ``names`` (``@staticmethod``)."""
+    decorators = function.decorators.nodes if function.decorators else []
+    return any(isinstance(d, nodes.Name) and d.name in names for d in decorators)
+
+
 def _binds_self(function: nodes.NodeNG) -> bool:
     """``function`` is a method whose first parameter its calls do not pass."""
     if not isinstance(function, nodes.FunctionDef):
         return False
     if not isinstance(function.parent, nodes.ClassDef):
         return False
-    decorators = function.decorators.nodes if function.decorators else []
-    return not any(isinstance(d, nodes.Name) and d.name == "staticmethod" for d in decorators)
+    return not _decorated(function, ("staticmethod",))
 
 
 def assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:

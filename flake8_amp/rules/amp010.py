@@ -36,6 +36,7 @@ from astroid import nodes
 from flake8_amp.analysis.constants import numeric_constant
 from flake8_amp.analysis.names import (
     NESTED_SCOPES,
+    assigned_value,
     bound_value,
     calls_in_order,
     code_frame,
@@ -250,13 +251,16 @@ class ScalerDtypeMismatch(Check):
         """An identifier of ``scope`` names a scaler (``loss_scaler(loss, optimizer)``). A name
         that holds only objects of this file's classes that scale no loss (a data normaliser:
         ``self.scaler = StandardScaler(...)``) does not count."""
-        return any("scaler" in word.lower()
-                   and not (isinstance(node, (nodes.Name, nodes.Attribute))
-                            and self._holds_no_loss_scaler(node))
+        return any("scaler" in word.lower() and not self._holds_no_loss_scaler(node)
                    for word, node in _identifiers(scope))
 
     def _holds_no_loss_scaler(self, expr: nodes.NodeNG) -> bool:
-        """``expr`` is built only by classes of this file whose code scales no loss."""
+        """``expr`` (a name, an attribute, or an assignment's target) is built only by classes
+        of this file whose code scales no loss."""
+        if isinstance(expr, (nodes.AssignName, nodes.AssignAttr)):
+            expr = assigned_value(expr)
+        if not isinstance(expr, (nodes.Name, nodes.Attribute, nodes.Subscript, nodes.Call)):
+            return False
         classes = self.context.names.local_classes(expr)
         return bool(classes) and None not in classes and not any(
             word == "scale" or "scaler" in word.lower()

@@ -1817,3 +1817,116 @@ def sorted_depths(z_coarse, z_fine):
 def sorted_depths_fp32(z_coarse, z_fine):
     z_all, _ = torch.sort(torch.cat([z_coarse.float(), z_fine.float()], dim=-1), dim=-1)
     return z_all.mean(dim=-1)
+
+
+# A base class's forward runs the convolutions each subclass builds and returns them in a
+# list filled by appends; a multi-discriminator collects those lists in lists.
+class FeatureDiscriminator(nn.Module):
+    def forward(self, x):
+        fmap = []
+        for conv in self.convs:
+            x = F.leaky_relu(conv(x), 0.1)
+            fmap.append(x)
+        return self.post(x).flatten(1), fmap
+
+
+class PeriodDiscriminator(FeatureDiscriminator):
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(1, 1, 3, padding=1) for _ in range(3))
+        self.post = nn.Conv2d(1, 1, 3, padding=1)
+
+
+class ScaleDiscriminator(FeatureDiscriminator):
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv1d(1, 1, 3, padding=1) for _ in range(3))
+        self.post = nn.Conv1d(1, 1, 3, padding=1)
+
+
+class MultiDiscriminator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.discriminators = nn.ModuleList([PeriodDiscriminator(), ScaleDiscriminator()])
+
+    def forward(self, y, y_hat):
+        scores, fmap_rs, fmap_gs = [], [], []
+        for d in self.discriminators:
+            score, fmap_r = d(y)
+            _, fmap_g = d(y_hat)
+            scores.append(score)
+            fmap_rs.append(fmap_r)
+            fmap_gs.append(fmap_g)
+        return scores, fmap_rs, fmap_gs
+
+
+def feature_matching(fmap_r, fmap_g):
+    loss = 0
+    for dr, dg in zip(fmap_r, fmap_g):
+        for rl, gl in zip(dr, dg):
+            loss += torch.mean(torch.abs(rl.detach() - gl))  # AMP004
+    return loss
+
+
+def feature_matching_fp32(fmap_r, fmap_g):
+    loss = 0
+    for dr, dg in zip(fmap_r, fmap_g):
+        for rl, gl in zip(dr, dg):
+            loss += torch.mean(torch.abs(rl.detach().float() - gl.float()))
+    return loss
+
+
+def train_vocoder_discriminators(loader, optimizer, scaler):
+    mpd = MultiDiscriminator().cuda()
+    for y, y_hat in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            scores, fmap_r, fmap_g = mpd(y, y_hat)
+            loss = feature_matching(fmap_r, fmap_g) + feature_matching_fp32(fmap_r, fmap_g)
+            loss = loss + sum(s.float().mean() for s in scores)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# Heads built by a static method of a class and called with its name; per-task outputs in dicts.
+class TaskBranches(nn.Module):
+    def __init__(self, dim, names):
+        super().__init__()
+        self.branches = nn.ModuleDict({name: self.branch(dim, 2) for name in names})
+
+    @staticmethod
+    def branch(dim, out):
+        return nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1), nn.ReLU(), nn.Conv2d(dim, out, 1))
+
+    def forward(self, x):
+        return {name: branch(x) for name, branch in self.branches.items()}
+
+
+class MultiTaskCenterHead(nn.Module):
+    def __init__(self, dim, tasks):
+        super().__init__()
+        self.heatmaps = nn.ModuleList(TaskBranches.branch(dim, 1) for _ in range(tasks))
+        self.boxes = nn.ModuleList(TaskBranches(dim, ["reg", "dim"]) for _ in range(tasks))
+
+    def forward(self, x):
+        heatmaps, boxes = [], []
+        for heatmap, box in zip(self.heatmaps, self.boxes):
+            heatmaps.append(heatmap(x))
+            boxes.append(box(x))
+        return heatmaps, boxes
+
+
+def focal(pred, target):
+    return -(pred + 1e-12).log() * target.eq(1)  # AMP011
+
+
+def train_center_head(loader, optimizer, scaler):
+    model = MultiTaskCenterHead(8, 2).cuda()
+    for x, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            heatmaps, boxes = model(x)
+            loss = sum(focal(hm.sigmoid(), t).sum() for hm, t in zip(heatmaps, targets))
+            loss = loss + sum(b["reg"].mean() for b in boxes)  # AMP004
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
