@@ -74,6 +74,7 @@ from flake8_amp.analysis.names import (
     is_self,
     keyword_value,
     last_part,
+    literal_target,
     literal_value,
     method_call,
     named_argument,
@@ -596,14 +597,7 @@ class Dtypes:
     def _filled(self, empty: nodes.NodeNG, depth: int) -> Optional[str]:
         """The one kind of what a function appends to the empty list it binds to a name
         (``fmap = []`` ... ``fmap.append(x)``, also ``scores, fmaps = [], []``)."""
-        parent, target = empty.parent, None
-        if isinstance(parent, nodes.Assign) and len(parent.targets) == 1:
-            target = parent.targets[0]
-        elif isinstance(parent, nodes.Tuple) and isinstance(parent.parent, nodes.Assign):
-            targets = parent.parent.targets
-            if (len(targets) == 1 and isinstance(targets[0], nodes.Tuple)
-                    and len(targets[0].elts) == len(parent.elts)):
-                target = targets[0].elts[parent.elts.index(empty)]
+        target = literal_target(empty)
         if not isinstance(target, nodes.AssignName):
             return None
         items = self.names.list_items(target)

@@ -994,7 +994,7 @@ class Names:
         if qualname not in MODULE_CONTAINERS or container.keywords:
             return None
         if not container.args and qualname != "torch.nn.ModuleDict":
-            return self._added_items(container)
+            return self._added_items(container) or None
         if qualname == "torch.nn.Sequential":
             arguments = list(container.args)
         elif len(container.args) == 1:
@@ -1017,7 +1017,8 @@ class Names:
             if held is None:
                 return None
             items.extend(held)
-        return items
+        added = self._added_items(container)  # ``self.convs.append(...)`` after it is built
+        return items if added is None else items + added
 
     def class_qualname(self, func: nodes.NodeNG, _depth: int = 0) -> Optional[str]:
         """The dotted name of what ``func`` calls, also through a variable or parameter that
@@ -1041,10 +1042,10 @@ class Names:
     def _added_items(self, container: nodes.Call) -> Optional[List[nodes.NodeNG]]:
         """What the function that builds an empty container (``self.convs = nn.ModuleList()``)
         adds to it there (``self.convs.append(nn.Conv1d(...))``, ``.extend([...])``,
-        ``.insert(i, m)``, ``.add_module(name, m)``), in source order; None if nothing."""
-        target = assign_target(container)
+        ``.insert(i, m)``, ``.add_module(name, m)``), in source order; None if unknown."""
+        target = literal_target(container)
         if target is None:
-            return None
+            return []
         key = target.as_string()
         items: List[nodes.NodeNG] = []
         for call in container.frame().nodes_of_class(nodes.Call):
@@ -1056,7 +1057,7 @@ class Names:
                 if added is None:
                     return None
                 items.extend(added)
-        return items or None
+        return items
 
     def _added_by(self, call: nodes.Call) -> Optional[List[nodes.NodeNG]]:
         """What ``x.append(m)``, ``x.insert(i, m)``, ``x.add_module(name, m)`` or
@@ -1725,6 +1726,22 @@ def assign_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
     parent = expr.parent
     if isinstance(parent, nodes.Assign) and parent.value is expr and len(parent.targets) == 1:
         return parent.targets[0]
+    return None
+
+
+def literal_target(expr: nodes.NodeNG) -> Optional[nodes.NodeNG]:
+    """:func:`assign_target`, or the target ``expr`` takes in the unpacking of a literal tuple
+    (``stages`` in ``stages, c = nn.ModuleList(), 32``)."""
+    target = assign_target(expr)
+    if target is not None:
+        return target
+    parent = expr.parent
+    if isinstance(parent, nodes.Tuple) and isinstance(parent.parent, nodes.Assign):
+        targets = parent.parent.targets
+        if (parent.parent.value is parent and len(targets) == 1
+                and isinstance(targets[0], nodes.Tuple)
+                and len(targets[0].elts) == len(parent.elts)):
+            return targets[0].elts[parent.elts.index(expr)]
     return None
 
 

@@ -1930,3 +1930,49 @@ def train_center_head(loader, optimizer, scaler):
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
+
+
+# Stages appended to a ModuleList after it is built with the stem (unpacked from a tuple).
+class GroupStatNorm(nn.Module):
+    def forward(self, x):
+        b, c = x.shape[:2]
+        std = (x.reshape(b, 4, -1).var(dim=-1, keepdim=True) + 1e-5).sqrt()  # AMP004
+        return x / std.repeat_interleave(c // 4, dim=1).reshape(b, c, 1, 1)
+
+
+class StageBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, padding=1)
+        self.norm = GroupStatNorm()
+
+    def forward(self, x):
+        return self.norm(self.conv(x))
+
+
+def make_stages(dim, depths):
+    stages, width = nn.ModuleList([nn.Sequential(nn.Conv2d(3, dim, 3), nn.SiLU())]), dim
+    for depth in depths:
+        stages.append(nn.Sequential(*[StageBlock(width) for _ in range(depth)]))
+    return stages
+
+
+class StagedBackbone(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.stages = make_stages(dim, (1, 2))
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def train_staged(loader, optimizer, scaler):
+    model = StagedBackbone(8).cuda()
+    for x in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
