@@ -122,8 +122,8 @@ class GradSample:
     #: The loss scale in effect (AMP106 reference), None when no scaler is involved.
     loss_scale: Optional[torch.Tensor] = None
     #: The parameters (kept until judged, to watch those found at zero: ``ReachedParameters``),
-    #: the ids of their gradient tensors, and which of them were watched and reached by a backward
-    #: since their last sample.
+    #: the ids of their gradient tensors, and which of them were watched and reached by the
+    #: step's backward.
     params: Sequence[torch.Tensor] = ()
     grad_ids: Tuple[int, ...] = ()
     watched: FrozenSet[int] = frozenset()
@@ -300,31 +300,8 @@ def judge_gradients(
             details={"total_norm": total, "largest": largest.name, "largest_norm": largest.norm},
         )))
 
-    reached = [g for g in layers if g.name not in unreached] if unreached else layers
-    reached_total = total if reached is layers else total_norm(reached)
-    if not reached:
-        pass
-    elif reached_total < limits.grad_vanishing_total:
-        findings.append(("AMP105", dict(
-            detail=f"total gradient norm {reached_total:.3g} is below "
-                   f"{limits.grad_vanishing_total:g}",
-            details={"total_norm": reached_total},
-        )))
-    elif min(g.norm for g in reached) < limits.grad_vanishing_layer:
-        # A layer's L2 norm bounds every |g| in it: norm < limit implies max |g| < limit.
-        layer_norm: Dict[str, float] = {}
-        for g in reached:
-            key = layer_of(g.name)
-            layer_norm[key] = math.hypot(layer_norm.get(key, 0.0), g.norm)
-        limit = limits.grad_vanishing_layer
-        vanished = [name for name, value in layer_norm.items() if value < limit]
-        if vanished:
-            findings.append(("AMP105", dict(
-                detail=f"gradients vanished (max |g| < {limits.grad_vanishing_layer:g}) in "
-                       f"{len(vanished)} layer(s): {listing(vanished)}",
-                module=vanished[0],
-                details={"layers": vanished, "total_norm": total},
-            )))
+    findings += _vanishing(
+        [g for g in layers if g.name not in unreached] if unreached else layers, total, limits)
 
     if loss_scale is not None and layers[0].max is not None:  # detailed step
         for g in layers:
@@ -339,6 +316,35 @@ def judge_gradients(
                              "zero_fraction": g.zero_fraction},
                 )))
     return findings
+
+
+def _vanishing(reached: Sequence[LayerGrad], total: float,
+               limits: Thresholds) -> List[Tuple[str, dict]]:
+    """AMP105 over the gradients the step's backward wrote (``total``: the norm of all)."""
+    if not reached:
+        return []
+    reached_total = total_norm(reached)
+    if reached_total < limits.grad_vanishing_total:
+        return [("AMP105", dict(
+            detail=f"total gradient norm {reached_total:.3g} is below "
+                   f"{limits.grad_vanishing_total:g}",
+            details={"total_norm": reached_total},
+        ))]
+    if min(g.norm for g in reached) >= limits.grad_vanishing_layer:
+        return []
+    # A layer's L2 norm bounds every |g| in it: norm < limit implies max |g| < limit.
+    layer_norm: Dict[str, float] = {}
+    for g in reached:
+        key = layer_of(g.name)
+        layer_norm[key] = math.hypot(layer_norm.get(key, 0.0), g.norm)
+    vanished = [name for name, value in layer_norm.items()
+                if value < limits.grad_vanishing_layer]
+    return [("AMP105", dict(
+        detail=f"gradients vanished (max |g| < {limits.grad_vanishing_layer:g}) in "
+               f"{len(vanished)} layer(s): {listing(vanished)}",
+        module=vanished[0],
+        details={"layers": vanished, "total_norm": total},
+    ))] if vanished else []
 
 
 class ParameterNames:
