@@ -686,12 +686,10 @@ class Dtypes:
         if not isinstance(loop, nodes.For) or statement not in loop.body or conditional_in(
                 loop, loop.scope()):
             return None
-        iterable = loop.iter
-        if isinstance(iterable, nodes.Call) and isinstance(iterable.func, nodes.Name) and (
-                iterable.func.name in ("enumerate", "zip", "reversed") and iterable.args):
-            iterable = iterable.args[0]
-        containers = self.names.constructions(iterable) if is_self(
-            getattr(iterable, "expr", None)) else None
+        targets = loop.target.elts if isinstance(loop.target, nodes.Tuple) else [loop.target]
+        iterables = [self.names.iterated(t) for t in targets if isinstance(t, nodes.AssignName)]
+        iterable = next((it for it in iterables if is_self(getattr(it, "expr", None))), None)
+        containers = self.names.constructions(iterable) if iterable is not None else None
         if not containers or not all(
                 self.names.class_qualname(getattr(c, "func", None)) in MODULE_CONTAINERS
                 for c in containers):
