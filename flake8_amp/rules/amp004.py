@@ -15,7 +15,6 @@ from flake8_amp.analysis.dtypes import (
     is_low,
 )
 from flake8_amp.analysis.names import (
-    argument_for,
     assigned_value,
     code_frame,
     method_call,
@@ -108,14 +107,13 @@ class LowPrecisionReduce(Check):
         if isinstance(expr, nodes.Name):
             values = []
             for binding in names.earlier_bindings(expr):
-                value = assigned_value(binding) or names.iterated(binding)
-                if value is None and isinstance(binding.parent, nodes.Arguments):
-                    function = binding.parent.parent
-                    sites = self.context.regions.call_sites(function)
-                    if not sites:
+                if isinstance(binding.parent, nodes.Arguments):
+                    passed = names.argument_values(binding)  # what every call site passes
+                    if not passed:
                         return False
-                    value = [argument_for(site, binding.parent, binding.name) for site in sites]
-                values += value if isinstance(value, list) else [value]
+                    values += passed
+                else:
+                    values.append(assigned_value(binding) or names.iterated(binding))
             return chosen(values)
         return False
 
