@@ -65,7 +65,6 @@ from flake8_amp.analysis.names import (
     Callee,
     CutCache,
     argument_for,
-    assign_target,
     assigned_value,
     calls_in_order,
     code_frame,
@@ -607,18 +606,7 @@ class Dtypes:
         """The one kind of the tensors a dict holds (a model's outputs): its literal values
         and, for one bound to a name, what its function stores into it (``out = {}``, then
         ``out[t] = head(f)``); what ``d["depth"]`` gives when they agree."""
-        values = [value for _, value in expr.items]
-        target = assign_target(expr)
-        if isinstance(target, nodes.AssignName):
-            for statement in target.frame().nodes_of_class(nodes.Assign):
-                for stored in statement.targets:
-                    if (
-                        isinstance(stored, nodes.Subscript)
-                        and isinstance(stored.value, nodes.Name)
-                        and stored.value.name == target.name
-                    ):
-                        values.append(statement.value)
-        return self._agreeing(values, depth)
+        return self._agreeing([value for _, value in self.names.dict_entries(expr)], depth)
 
     def _agreeing(self, values: Sequence[nodes.NodeNG], depth: int) -> Optional[str]:
         """The one kind of ``values``; one that is unknown only because it depends on the

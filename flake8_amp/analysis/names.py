@@ -554,46 +554,47 @@ class Names:
         return values
 
     def keyed_values(self, subscript: nodes.Subscript) -> Optional[List[nodes.NodeNG]]:
-        """What ``d["key"]`` holds where the code shows everything put under that key: the
-        entries of the dict literals ``d`` is bound to and the ``d["key"] = v`` stores of
-        their function, also for a dict a function of this module builds and returns
-        (``data = load_dataset(...)`` after ``data["scaler"] = scaler; return data``). None
-        for other subscripts, or when a dict's origin is unknown."""
+        """What ``d["key"]`` holds where the code shows everything put under that key
+        (:meth:`dict_entries` of each dict literal ``d`` is bound to, also of one a function of
+        this module builds and returns: ``data = load_dataset(...)`` after ``data["scaler"] =
+        scaler; return data``). None for other subscripts, or when a dict's origin is unknown."""
         key = subscript.slice
         if not (isinstance(key, nodes.Const) and isinstance(key.value, str)
                 and isinstance(subscript.value, nodes.Name)):
             return None
-        dicts = self._dict_bindings(subscript.value)
-        if not dicts:
-            return None
-        values: List[nodes.NodeNG] = []
-        for name, literal in dicts:
-            values += [v for k, v in literal.items
-                       if isinstance(k, nodes.Const) and k.value == key.value]
-            for statement in literal.frame().nodes_of_class(nodes.Assign):
-                values += [statement.value for target in statement.targets
-                           if isinstance(target, nodes.Subscript)
-                           and isinstance(target.value, nodes.Name)
-                           and target.value.name == name
-                           and isinstance(target.slice, nodes.Const)
-                           and target.slice.value == key.value]
+        literals = self._dict_literals(subscript.value)
+        values = [value for literal in literals or () for k, value in self.dict_entries(literal)
+                  if isinstance(k, nodes.Const) and k.value == key.value]
         return values or None
 
-    def _dict_bindings(self, name: nodes.Name, hops: int = 2
-                       ) -> Optional[List[Tuple[str, nodes.Dict]]]:
-        """``(name, dict literal)`` of each dict ``name`` may hold: bound to a literal in its
-        function, or returned by a function of this module that binds it so."""
-        found: List[Tuple[str, nodes.Dict]] = []
+    def dict_entries(self, literal: nodes.Dict) -> List[Tuple[nodes.NodeNG, nodes.NodeNG]]:
+        """``(key, value)`` of what a dict literal holds: its items and, for one bound to a
+        name, the ``d[key] = value`` stores of its function (``out = {}``, then ``out[t] =
+        head(f)``)."""
+        entries = list(literal.items)
+        target = assign_target(literal)
+        if isinstance(target, nodes.AssignName):
+            for statement in target.frame().nodes_of_class(nodes.Assign):
+                entries += [(stored.slice, statement.value) for stored in statement.targets
+                            if isinstance(stored, nodes.Subscript)
+                            and isinstance(stored.value, nodes.Name)
+                            and stored.value.name == target.name]
+        return entries
+
+    def _dict_literals(self, name: nodes.Name, hops: int = 2) -> Optional[List[nodes.Dict]]:
+        """The dict literals ``name`` may hold: bound to it in its function, or to the name a
+        function of this module returns."""
+        found: List[nodes.Dict] = []
         for value in self.assigned_values(name) or [None]:
             if isinstance(value, nodes.Dict):
-                found.append((name.name, value))
+                found.append(value)
                 continue
             function = self.local_function(value) if isinstance(value, nodes.Call) else None
             returns = returned_values(function) if function is not None and hops else None
             if not returns or not all(isinstance(r, nodes.Name) for r in returns):
                 return None
             for returned in returns:
-                inner = self._dict_bindings(returned, hops - 1)
+                inner = self._dict_literals(returned, hops - 1)
                 if not inner:
                     return None
                 found += inner
