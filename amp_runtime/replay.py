@@ -197,6 +197,8 @@ class Outcome:
     #: The replayed backward reproduced exactly the parameters whose gradients were non-finite.
     reproduced: Optional[bool] = None
     bundle: Optional[str] = None
+    #: Not replayed: the step replayed for the anomaly episode this step is part of.
+    episode: Optional[int] = None
 
     def cause(self) -> Optional[Origin]:
         """Where the step's non-finite values came from, where the replay established it: a
@@ -208,9 +210,10 @@ class Outcome:
         return origin
 
     def to_json(self) -> Dict[str, Any]:
-        return {"step": self.step, "triggers": list(self.triggers),
-                "origin": None if self.origin is None else self.origin.to_json(),
-                "skipped": self.skipped, "reproduced": self.reproduced, "bundle": self.bundle}
+        found = {"step": self.step, "triggers": list(self.triggers),
+                 "origin": None if self.origin is None else self.origin.to_json(),
+                 "skipped": self.skipped, "reproduced": self.reproduced, "bundle": self.bundle}
+        return found if self.episode is None else {**found, "episode": self.episode}
 
 
 def input_tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -739,6 +742,10 @@ class StepReplay(Monitor):
         #: replayed (skip replays found nothing), and how many in a row found nothing.
         self._episode_until = -1
         self._episode_step = -1
+        #: A parameter found non-finite in the open episode, and the optimizer steps applied
+        #: when its parameters were last checked (``_in_episode``).
+        self._episode_parameter: Optional[Origin] = None
+        self._episode_checked_at = 0
         self._skip_episode_until = -1
         self._unexplained_skips = 0
         self._optimizer_steps = 0
@@ -832,8 +839,7 @@ class StepReplay(Monitor):
         quiet = self.guard.thresholds.auto_quiet_steps
         if step <= self._episode_until:
             self._episode_until = max(self._episode_until, step + quiet)
-            return Outcome(step, (code,), skipped=(
-                f"step {self._episode_step} was replayed for this episode"))
+            return self._in_episode(step, code)
         if code == SKIPPED and step <= self._skip_episode_until:
             return None
         outcome = Outcome(step, (code,))
@@ -843,6 +849,21 @@ class StepReplay(Monitor):
             outcome.skipped = str(reason)
         finally:  # also when a finding raises under policy="raise"
             self._close(outcome)
+        return outcome
+
+    def _in_episode(self, step: int, code: str) -> Outcome:
+        """A step of an open episode, not replayed. Its trained parameters are checked (one
+        pass, one read) when an optimizer step was applied since they last were: an update
+        that wrote NaN/Inf into them is why every later step fails, and is then its origin."""
+        outcome = Outcome(step, (code,), skipped=f"step {self._episode_step} was replayed for "
+                          "this episode", episode=self._episode_step)
+        calls = self._calls.get(step)
+        if (self._episode_parameter is None and code != SKIPPED and calls
+                and self._episode_checked_at != self._optimizer_steps):
+            self._episode_checked_at = self._optimizer_steps
+            modules = list(dict.fromkeys(eager_module(call.module) for call in calls))
+            self._episode_parameter = _nonfinite_parameter(modules, self.guard.readings)
+        outcome.origin = self._episode_parameter
         return outcome
 
     def observe(self, event) -> None:
@@ -954,6 +975,8 @@ class StepReplay(Monitor):
         if set(outcome.triggers) - {SKIPPED} or outcome.origin is not None:
             self._episode_until = outcome.step + quiet
             self._episode_step = outcome.step
+            self._episode_parameter = None
+            self._episode_checked_at = self._optimizer_steps
             self._unexplained_skips = 0
         else:  # nothing found: look again at the next skips, then less and less often
             self._unexplained_skips += 1

@@ -343,6 +343,16 @@ def test_a_step_of_an_open_episode_says_which_step_was_replayed_for_it():
         second.message)
 
 
+def test_steps_after_an_update_that_wrote_nan_name_the_parameter_not_the_episode():
+    """Without a GradScaler the NaN step's update reaches the weights: every later loss is NaN
+    because of them, and the steps of the episode say so instead of only pointing back."""
+    g, _ = guarded(steps=9, nan_batch={5})
+    first, *later = g.report.by_code("AMP112")
+    assert first.step == 5 and first.details["replay"]["origin"]["phase"] == "input"
+    assert later and all(e.details["replay"]["episode"] == 5 for e in later)
+    assert all("the forward started from the parameter" in e.message for e in later)
+
+
 def test_a_nan_in_the_batch_is_named_as_the_models_input_not_an_op():
     """No op made the NaN: every op only propagates it, so there is no AMP101 to blame; the
     replay names the model call's input instead."""

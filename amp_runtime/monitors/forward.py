@@ -384,6 +384,8 @@ class ForwardMonitor(Monitor):
             origin = None if replay is None else replay.cause()
             if origin is not None:
                 cause = f"; {origin.clause()}"
+            elif replay is not None and replay.episode is not None:
+                cause = f"; not replayed: {replay.skipped}"
             elif replay is not None and replay.skipped:
                 cause = f"; not replayed: {replay.skipped} (trace='always' checks every op live)"
             else:

@@ -144,7 +144,9 @@ PRESERVING: FrozenSet[str] = frozenset(
     nan_to_num triu tril diagonal movedim swapaxes unbind tensor_split split_with_sizes hsplit
     vsplit dsplit diag diag_embed diagflat take_along_dim new_zeros new_ones new_empty new_full
     scatter scatter_ scatter_add scatter_add_ index_fill index_fill_ logcumsumexp logaddexp
-    logaddexp2 lerp erf erfc sign sgn floor ceil trunc frac hypot fmod remainder""".split()
+    logaddexp2 lerp erf erfc sign sgn floor ceil trunc frac hypot fmod remainder digamma lgamma
+    unfold fold
+    polygamma""".split()
 )
 #: CUDA autocast runs these in fp32 (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 CUDA_FP32_OPS: FrozenSet[str] = frozenset(
@@ -1001,6 +1003,8 @@ class Dtypes:
     def _torch_function(self, call: nodes.Call, callee: Callee, depth: int) -> Optional[str]:
         op = callee.name
         first = call.args[0] if call.args else None
+        if op == "polygamma" and len(call.args) == 2:
+            first = call.args[1]  # ``torch.polygamma(n, x)``
         if op in ("zeros", "ones", "empty", "rand", "randn", "linspace", "logspace", "eye", "full"):
             return FP32 if op != "full" else None
         if op.endswith("_like") and first is not None:

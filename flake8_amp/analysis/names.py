@@ -1072,11 +1072,12 @@ class Names:
             return self.list_items(args[0])
         return None
 
-    def list_items(self, expr: nodes.NodeNG) -> Optional[List[nodes.NodeNG]]:
+    def list_items(self, expr: nodes.NodeNG, _depth: int = 0) -> Optional[List[nodes.NodeNG]]:
         """What a list holds: a literal's elements, a comprehension's element, or for a
         name every element put into it in its function (``layers = []``, ``.append(x)``,
-        ``.extend([...])``, ``.insert(i, x)``, ``layers += [...]``), in source order; None
-        if the list may hold something else (another use than reading it whole)."""
+        ``.extend([...])``, ``.insert(i, x)``, ``layers += [...]``), in source order, and for
+        a parameter what every call site passes (``SequentialFlow(layers)``); None if the
+        list may hold something else (another use than reading it whole)."""
         if isinstance(expr, (nodes.List, nodes.Tuple)):
             if any(isinstance(e, nodes.Starred) for e in expr.elts):
                 return None
@@ -1090,6 +1091,8 @@ class Names:
         bindings = self.bindings(expr)
         if not bindings:
             return None
+        if len(bindings) == 1 and isinstance(bindings[0].parent, nodes.Arguments):
+            return self._passed_items(expr, _depth)
         frame = bindings[0].frame()
         items: List[nodes.NodeNG] = []
         for binding in bindings:
@@ -1107,6 +1110,17 @@ class Names:
                 held = self.list_items(value) if value is not None else None
             else:
                 held = self._list_use(use)
+            if held is None:
+                return None
+            items.extend(held)
+        return items
+
+    def _passed_items(self, parameter: nodes.NodeNG, depth: int) -> Optional[List[nodes.NodeNG]]:
+        """The items of the lists every call site here passes to ``parameter``."""
+        passed = self.argument_values(parameter) if depth < _MAX_PASSED_LISTS else None
+        items: List[nodes.NodeNG] = []
+        for value in passed or [None]:
+            held = self.list_items(value, depth + 1) if value is not None else None
             if held is None:
                 return None
             items.extend(held)
@@ -1170,6 +1184,8 @@ class Names:
             if (qualname in MODULE_CONTAINERS or qualname in _LIST_READERS
                     or self.builtin_name(parent.func) in ("len", "zip", "enumerate")):
                 return []
+            if isinstance(parent.func, nodes.Name) and self._called_class(parent) is not None:
+                return []  # handed to a class of this module (``SequentialFlow(layers)``)
         return None
 
     # -- records ---------------------------------------------------------------------
@@ -1614,6 +1630,8 @@ def is_model_class(classdef: nodes.ClassDef) -> bool:
     )
 
 
+#: How many parameters deep ``list_items`` follows a list to the calls that pass it.
+_MAX_PASSED_LISTS = 3
 #: Bases from elsewhere whose code assigns none of a subclass's attributes.
 _BARE_BASES = frozenset({"torch.nn.Module", "nn.Module", "torch.nn.modules.module.Module"})
 

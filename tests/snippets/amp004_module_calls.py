@@ -1976,3 +1976,68 @@ def train_staged(loader, optimizer, scaler):
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
+
+
+# A flow's layers collected in a list and handed to a container class of the file.
+class FeatureStandardise(nn.Module):
+    def forward(self, h):
+        return (h - h.mean(-1, keepdim=True)) / 4.0  # AMP004
+
+
+class FlowStep(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.net = nn.Linear(dim, dim)
+        self.norm = FeatureStandardise()
+
+    def forward(self, x):
+        return x + self.norm(self.net(x))
+
+
+class FlowChain(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.chain = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.chain:
+            x = layer(x)
+        return x
+
+
+def build_chain(dim, blocks):
+    layers = [FlowStep(dim)]
+    for _ in range(blocks):
+        layers += [FlowStep(dim)]
+    return FlowChain(layers)
+
+
+def train_chain(loader, optimizer, scaler):
+    model = build_chain(8, 2).cuda()
+    for x in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# Patches taken with unfold keep the convolution's dtype.
+class PatchVariance(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 3, padding=1)
+
+    def forward(self, x):
+        g = self.conv(x)
+        return g.unfold(2, 4, 4).unfold(3, 4, 4).flatten(-2).var(dim=-1)  # AMP004
+
+
+def train_patch_variance(loader, optimizer, scaler):
+    model = PatchVariance().cuda()
+    for x in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()

@@ -117,3 +117,27 @@ def focal_where_fp32_branch(logits, target, fallback):
         p = torch.sigmoid(nn.functional.linear(logits, logits))
         pt = torch.where(target == 1, p, fallback.float())
         return -torch.log(pt + 1e-12).mean()
+
+
+# A Dirichlet head's trigamma terms: torch.polygamma(n, x) keeps x's dtype.
+class DirichletHead(nn.Module):
+    def __init__(self, dim, classes):
+        super().__init__()
+        self.fc = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        alpha = torch.relu(self.fc(x)) + 1.0
+        trigamma = torch.polygamma(1, alpha)
+        log_det = torch.log(trigamma + 1e-10).sum(-1)  # AMP011
+        log_det32 = torch.log(torch.polygamma(1, alpha.float()) + 1e-10).sum(-1)
+        return log_det + log_det32
+
+
+def train_dirichlet(loader, optimizer, scaler):
+    model = DirichletHead(8, 4).cuda()
+    for x in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
