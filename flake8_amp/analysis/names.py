@@ -191,6 +191,8 @@ class Names:
     def __init__(self, context):
         self.context = context
         self._class_attributes: Dict[nodes.ClassDef, Dict[str, List[nodes.NodeNG]]] = {}
+        #: Parameters whose passed lists ``_passed_items`` is working out (a cycle gives up).
+        self._passing: Set[nodes.NodeNG] = set()
         # Every rule asks about the same calls: answers are cached per node.
         self._bindings: Dict[nodes.Name, List[nodes.NodeNG]] = {}
         self._callees: Dict[nodes.Call, Optional[Callee]] = {}
@@ -1116,15 +1118,23 @@ class Names:
         return items
 
     def _passed_items(self, parameter: nodes.NodeNG, depth: int) -> Optional[List[nodes.NodeNG]]:
-        """The items of the lists every call site here passes to ``parameter``."""
-        passed = self.argument_values(parameter) if depth < _MAX_PASSED_LISTS else None
-        items: List[nodes.NodeNG] = []
-        for value in passed or [None]:
-            held = self.list_items(value, depth + 1) if value is not None else None
-            if held is None:
-                return None
-            items.extend(held)
-        return items
+        """The items of the lists every call site here passes to ``parameter`` (None while
+        it is being worked out: a list handed round a cycle of calls)."""
+        binding = self.bindings(parameter)[0]
+        if depth >= _MAX_PASSED_LISTS or binding in self._passing:
+            return None
+        self._passing.add(binding)
+        try:
+            passed = self.argument_values(parameter)
+            items: List[nodes.NodeNG] = []
+            for value in passed or [None]:
+                held = self.list_items(value, depth + 1) if value is not None else None
+                if held is None:
+                    return None
+                items.extend(held)
+            return items
+        finally:
+            self._passing.discard(binding)
 
     def _returned_items(self, call: nodes.Call) -> Optional[List[nodes.NodeNG]]:
         """The items of the lists a function of this module returns (``layers +=
