@@ -225,7 +225,7 @@ class GradContext:
         current: Optional[nodes.NodeNG] = scope
         while current is not None:
             if isinstance(current, (nodes.FunctionDef, nodes.ClassDef)) and not (
-                    self._in_forward_pass(current)):
+                    self.in_forward_pass(current)):
                 # the innermost name that says decides, by its first word that says
                 # (``train_link_prediction`` trains, ``test_cast_in_training`` tests)
                 purpose = self._named_purpose(current.name)
@@ -236,10 +236,10 @@ class GradContext:
             current = current.parent
         return self._is_eval_scope(scope)
 
-    def _in_forward_pass(self, function: nodes.NodeNG) -> bool:
+    def in_forward_pass(self, function: Optional[nodes.NodeNG]) -> bool:
         """A method a model's ``forward`` runs (Mask2Former's ``forward_prediction_heads``):
         its name describes the model, not what the code is for."""
-        owner = function.parent
+        owner = getattr(function, "parent", None)
         if not isinstance(function, nodes.FunctionDef) or not isinstance(owner, nodes.ClassDef):
             return False
         if owner not in self._forward_paths:

@@ -28,7 +28,6 @@ from flake8_amp.analysis.dtypes import BF16, CUDA_FP32_OPS, FP16, FP32, INT, LOW
 from flake8_amp.analysis.names import (
     attribute_not_in,
     call_argument,
-    forward_path,
     is_model_class,
     method_call,
 )
@@ -215,7 +214,7 @@ class Fp16OverflowLiteral(Check):
             return not (no_grad and not region.node.parent_of(node))
         # Unknown dtype outside a region: model code's activations may arrive in fp16 from the
         # caller's autocast; under no_grad there are none (targets, matching costs, masks).
-        return _in_model_code(node) and not no_grad
+        return _in_model_code(node, self.context.grad) and not no_grad
 
     def _made_fp32(self, tensor: Optional[nodes.NodeNG], region) -> bool:
         """Every value ``tensor`` holds comes from an op CUDA autocast runs in fp32
@@ -243,9 +242,9 @@ def _keyed_by_string(subscript: nodes.Subscript) -> bool:
     return isinstance(key, nodes.Const) and isinstance(key.value, str)
 
 
-def _in_model_code(node: nodes.NodeNG) -> bool:
-    """In the forward pass of a model class (``forward_path``), or in a function of a module
-    that defines one. A model's other methods -- target assignment
+def _in_model_code(node: nodes.NodeNG, grad) -> bool:
+    """In the forward pass of a model class (``GradContext.in_forward_pass``), or in a function
+    of a module that defines one. A model's other methods -- target assignment
     (``areas[outside] = INF`` before ``areas.min()``), beam search, initialisation --
     work on tensors of their own dtype, not on whatever the caller's autocast produces."""
     parent = node.parent
@@ -253,7 +252,7 @@ def _in_model_code(node: nodes.NodeNG) -> bool:
     method = None
     while parent is not None:
         if isinstance(parent, nodes.ClassDef):
-            return is_model_class(parent) and method in forward_path(parent)
+            return grad.in_forward_pass(method)
         if isinstance(parent, nodes.FunctionDef):
             in_function = True
             method = parent
