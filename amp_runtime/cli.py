@@ -494,7 +494,7 @@ def _outcome_line(outcome) -> str:
     origin = outcome.origin
     if origin is None:
         return f"{head} the replayed step stayed finite"
-    if origin.phase in ("parameter", "input"):
+    if origin.before_forward:
         return f"{head} {origin.clause()}"
     at = f" at {origin.source}" if origin.source else ""
     if origin.phase == "forward":

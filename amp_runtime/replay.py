@@ -159,9 +159,14 @@ class Origin:
         return {"phase": self.phase, "op": self.op, "module": self.module, "source": self.source,
                 **self.details}
 
+    @property
+    def before_forward(self) -> bool:
+        """Already non-finite when the forward started (a parameter, an input): no op made it."""
+        return self.phase in ("parameter", "input")
+
     def clause(self) -> str:
         """What a step-level finding (AMP112) adds about where the step's NaN/Inf came from."""
-        if self.phase in ("parameter", "input"):
+        if self.before_forward:
             return f"the forward started from {self.describe()}"
         where = f" at {self.source}" if self.source else ""
         if self.phase == "forward":
@@ -559,15 +564,25 @@ def _nonfinite_parameter(modules: Sequence[torch.nn.Module],
     ``-inf`` attention mask is often kept as one."""
     named = [(name, param) for module in modules for name, param in module.named_parameters()
              if param.requires_grad and readable(param)]
-    if not named:
+    found = _first_nonfinite([param for _, param in named], readings)
+    if found is None:
+        return None
+    index, value = found
+    name = named[index][0]
+    return Origin("parameter", None, name.rpartition(".")[0] or None, None,
+                  {"parameter": name, "kind": nonfinite_kind(value)})
+
+
+def _first_nonfinite(tensors: Sequence[torch.Tensor],
+                     readings: Readings) -> Optional[Tuple[int, float]]:
+    """The index of the first of ``tensors`` holding NaN/Inf and its largest magnitude (in its
+    own dtype: finite stays finite): one fused pass, one read."""
+    if not tensors:
         return None
     with torch.no_grad():
-        peaks = torch._foreach_norm([param.detach() for _, param in named], math.inf)
-    for (name, _), value in zip(named, readings.read_now(peaks)):
-        if not math.isfinite(value):
-            return Origin("parameter", None, name.rpartition(".")[0] or None, None,
-                          {"parameter": name, "kind": nonfinite_kind(value)})
-    return None
+        peaks = torch._foreach_norm([tensor.detach() for tensor in tensors], math.inf)
+    return next(((index, value) for index, value in enumerate(readings.read_now(peaks))
+                 if not math.isfinite(value)), None)
 
 
 def _nonfinite_input(calls: Sequence[RootCall], readings: Readings,
@@ -575,21 +590,24 @@ def _nonfinite_input(calls: Sequence[RootCall], readings: Readings,
     """The first floating-point input of the step's model calls holding NaN/Inf, as an origin:
     for a step whose replay found no op and no parameter that made it (a batch with a missing
     value). One fused pass, one read."""
-    found = [(call, name, tensor) for call in calls
-             for name, tensor in named_inputs(call.args, call.kwargs)
-             if tensor.is_floating_point() and readable(tensor)]
-    if not found:
+    inputs = [(call, name, tensor) for call in calls
+              for name, tensor in named_inputs(call.args, call.kwargs)
+              if tensor.is_floating_point() and readable(tensor)]
+    found = _first_nonfinite([tensor for *_, tensor in inputs], readings)
+    if found is None:
         return None
-    with torch.no_grad():
-        peaks = torch._foreach_norm([tensor.detach() for *_, tensor in found], math.inf)
-    for (call, name, _), value in zip(found, readings.read_now(peaks)):
-        if not math.isfinite(value):
-            details = {"input": name, "kind": nonfinite_kind(value)}
-            if calls[-1].number > 1:
-                details.update(call=call.number, calls=calls[-1].number)
-            return Origin("input", None, tracker.name_of(call.module),
-                          format_location(call.location)[0], details)
-    return None
+    index, value = found
+    call, name, _ = inputs[index]
+    details = {"input": name, "kind": nonfinite_kind(value)}
+    if calls[-1].number > 1:
+        details.update(call=call.number, calls=calls[-1].number)
+    return Origin("input", None, tracker.name_of(call.module),
+                  format_location(call.location)[0], details)
+
+
+def _eager_modules(calls: Sequence[RootCall]) -> List[torch.nn.Module]:
+    """The eager modules ``calls`` ran, each once, in order."""
+    return list(dict.fromkeys(eager_module(call.module) for call in calls))
 
 
 def _recomputing() -> bool:
@@ -861,8 +879,8 @@ class StepReplay(Monitor):
         if (self._episode_parameter is None and code != SKIPPED and calls
                 and self._episode_checked_at != self._optimizer_steps):
             self._episode_checked_at = self._optimizer_steps
-            modules = list(dict.fromkeys(eager_module(call.module) for call in calls))
-            self._episode_parameter = _nonfinite_parameter(modules, self.guard.readings)
+            self._episode_parameter = _nonfinite_parameter(_eager_modules(calls),
+                                                           self.guard.readings)
         outcome.origin = self._episode_parameter
         return outcome
 
@@ -919,10 +937,12 @@ class StepReplay(Monitor):
             details["replay"] = outcome.to_json()
         if origin is None:
             return {**kwargs, "details": details}
-        cause = {"forward": f"caused by the non-finite output of {origin.describe()}, AMP101",
-                 "parameter": f"caused by {origin.describe()}",
-                 "input": f"caused by {origin.describe()}"}.get(
-                     origin.phase, f"first non-finite in {origin.describe()}")
+        if origin.phase == "forward":
+            cause = f"caused by the non-finite output of {origin.describe()}, AMP101"
+        elif origin.before_forward:
+            cause = f"caused by {origin.describe()}"
+        else:
+            cause = f"first non-finite in {origin.describe()}"
         details["origin"] = origin.to_json()
         return {**kwargs, "where": f"{kwargs['where']} ({cause})", "op": origin.op,
                 "module": origin.module, "source": origin.source, "details": details}
@@ -1003,7 +1023,7 @@ class StepReplay(Monitor):
                        for code in _LOCALIZED_FOR.get(trigger, ()))
         if not trace and not localize:
             return
-        modules = list(dict.fromkeys(eager_module(call.module) for call in calls))
+        modules = _eager_modules(calls)
         for module in modules:
             reason = _sharded(module)
             if reason:
@@ -1109,7 +1129,7 @@ class StepReplay(Monitor):
         self._learning.remove()  # the replay calls the modules itself
         self._bundle_written = True
         guard = self.guard
-        modules = list(dict.fromkeys(eager_module(call.module) for call in calls))
+        modules = _eager_modules(calls)
         named = [dict(module.named_parameters()) for module in modules]
         observed = {id(named[index][name]) for index, name in nonfinite
                     if index < len(named) and name in named[index]}

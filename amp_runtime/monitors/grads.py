@@ -424,22 +424,26 @@ class ReachedParameters:
 
 
 def unreached_parameters(samples: Sequence[GradSample], layers: Sequence[LayerGrad],
-                         before: Optional[Dict[str, int]], fresh: bool,
+                         previous: Optional[List[Tuple[List[str], Tuple[int, ...]]]],
+                         fresh: bool,
                          reported: Collection[str]) -> Tuple[Set[str], List[torch.Tensor]]:
     """The parameters of ``samples`` whose all-zero gradients no backward wrote since their last
     sample, and those whose zeros are of unknown origin (to be watched).
 
     The gradients of the guard's first step (``fresh``) were made by it. Later, a gradient tensor
-    other than the one sampled last time (``before``: name -> id of the gradient, None when there
-    was no sample) was made by this step's backward. One that was not there at the last sample
-    may have been made by a step the GradScaler skipped, and is kept like the others. A kept one
-    was reached if a watch saw the backward accumulate into it; unwatched, it is undecided and
-    counts as it did before (its layer among those ``reported``) until the next step tells."""
+    other than the one sampled last time (``previous``: the names and gradient ids of the last
+    samples, None when there were none) was made by this step's backward. One that was not
+    there at the last sample may have been made by a step the GradScaler skipped, and is kept
+    like the others. A kept one was reached if a watch saw the backward accumulate into it;
+    unwatched, it is undecided and counts as it did before (its layer among those
+    ``reported``) until the next step tells."""
     zero = {g.name for g in layers if g.norm == 0.0}
     unreached: Set[str] = set()
     unknown: List[torch.Tensor] = []
     if not zero or fresh:
         return unreached, unknown
+    before = None if previous is None else {
+        name: grad_id for names, ids in previous for name, grad_id in zip(names, ids)}
     for sample in samples:
         for name, param, grad_id in zip(sample.names, sample.params, sample.grad_ids):
             if name not in zero or id(param) in sample.reached:
@@ -647,11 +651,10 @@ class GradHealth(Monitor):
             _add_norm(record, total)
             return
         layers, loss_scale = layer_stats(samples, host, factors, scales)
-        before = None if previous_grads is None else {
-            name: grad_id for names, ids in previous_grads for name, grad_id in zip(names, ids)}
         reported = {layer for condition in previous if condition[0] == "AMP105"
                     for layer in condition[3]}
-        unreached, unknown = unreached_parameters(samples, layers, before, first_step, reported)
+        unreached, unknown = unreached_parameters(samples, layers, previous_grads, first_step,
+                                                  reported)
         self.reached.watch(unknown)
         findings = judge_gradients(layers, loss_scale, limits, unreached)
         detailed = layers[0].max is not None

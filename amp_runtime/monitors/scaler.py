@@ -281,7 +281,7 @@ def _overflow_cause(origin, details: dict) -> dict:
     if origin is None:
         return {"cause": ""}
     where = f" at {origin.source}" if origin.source else ""
-    happens = "start from" if origin.phase in ("parameter", "input") else "overflow in"
+    happens = "start from" if origin.before_forward else "overflow in"
     return {"cause": f"; skipped steps {happens} {origin.describe()}{where}",
             "details": {**details, "origin": origin.to_json()}}
 
