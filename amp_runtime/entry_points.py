@@ -4,8 +4,8 @@ The guard's mode is on the stack only on watched steps (``Guard`` in ``guard.py`
 torch call crossing a Python TorchFunctionMode costs time, and the code-pattern rules need
 to see a loop's code once, not at every step. The step-level checks must see a few calls on
 every step, though: where backward starts (AMP112's loss check, AMP008, AMP006's scaled
-backward, step detection), the norms ``clip_grad_norm_`` computes (reused by the gradient
-monitor, AMP005) and the loss-scale kernels of GradScaler subclasses (``monitors/scaler.py``).
+backward, step detection), the norms ``clip_grad_norm_`` computes (AMP005) and the loss-scale
+kernels of GradScaler subclasses (``monitors/scaler.py``).
 Those functions are replaced on their modules while a guard is active, and run the handlers
 the mode would have run, with the mode off, as the mode runs them.
 

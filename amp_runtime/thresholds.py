@@ -16,6 +16,8 @@ class Thresholds:
     grad_vanishing_layer: float = 1e-10
     #: AMP106: fraction of a layer's nonzero gradients that flush to zero in fp16.
     grad_underflow_fraction: float = 0.01
+    #: ...when they carried more than this share of the layer's gradient norm (an upper bound).
+    grad_underflow_norm_share: float = 1e-3
     #: AMP107: loss scale at or below this and not rising.
     scale_collapse: float = 1.0
     #: AMP108: consecutive decreases; fraction of the initial scale; floor while falling.

@@ -3,11 +3,12 @@
     python benchmarks/guard_overhead.py                     # CUDA when available, else the CPU
     python benchmarks/guard_overhead.py --device cuda       # GPT-2-124M-shaped and host-bound steps
     python benchmarks/guard_overhead.py --device cpu --quick --repetitions 3   # a quick look
+    python benchmarks/guard_overhead.py --variants auto always   # fewer variants, more repetitions
 
 CUDA shapes: "gpt2-124m" (12 layers, d=768, T=1024, batch 8, vocabulary 50304, tied embedding,
 scaled-dot-product attention: GPU-bound on an H100, ~30 ms a step) and "host" (4 layers, d=256,
 T=256, batch 16: host-bound, ~11 ms, where Python time per step shows). Each in fp16 with a
-GradScaler and in bf16, fused AdamW, clip_grad_norm_ (nanoGPT's recipe).
+GradScaler and in bf16, fused AdamW, clip_grad_norm_, GPT-2's initialisation (nanoGPT's recipe).
 
 CPU shapes: "compute" (d=128, matmul-bound), "host" (d=32, ~8 ms a step: kernels are fast and
 Python time per op is what shows, the CPU's proxy for a GPU) and "tiny" (d=32, ~4 ms: harsher
@@ -89,6 +90,16 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+def _gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initialisation (as nanoGPT's): weights N(0, 0.02), biases zero. PyTorch's default
+    N(0, 1) embedding, tied to the head, gives logits of spread ~sqrt(width) and a softmax so
+    peaked that its raw gradient norm climbs past 100 within a few dozen steps on one batch."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class TinyGPT(nn.Module):
     def __init__(self, shape: "Shape"):
         super().__init__()
@@ -100,6 +111,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(shape.width, shape.vocab, bias=not shape.tied)
         if shape.tied:
             self.head.weight = self.tokens.weight
+            self.apply(_gpt2_init)
 
     def forward(self, idx):
         x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
@@ -117,7 +129,8 @@ class Shape:
     length: int
     batch: int
     vocab: int = 256
-    #: GPT-2's choices: scaled-dot-product attention, the head tied to the token embedding,
+    #: GPT-2's choices: scaled-dot-product attention, the head tied to the token embedding
+    #: (and GPT-2's initialisation),
     #: gradients clipped to norm 1 (the CPU shapes keep the step their README rows measured).
     fused_attention: bool = False
     tied: bool = False
@@ -215,6 +228,7 @@ class Trainer:
             torch.cuda.synchronize()
 
 
+#: The baseline, then the variants compared with it (``--variants`` names them by key).
 VARIANTS = {
     "no guard": lambda: contextlib.nullcontext(),
     'trace="off"': lambda: amp_runtime.guard(policy="record", trace="off"),
@@ -226,6 +240,9 @@ VARIANTS = {
     'trace="always"': lambda: amp_runtime.guard(policy="record", trace="always"),
     "detect_anomaly()": lambda: torch.autograd.detect_anomaly(check_nan=True),
 }
+VARIANT_KEYS = dict(zip(
+    ["off", "auto", "auto-no-replay", "auto-no-grad-stats", "always", "anomaly"],
+    list(VARIANTS)[1:]))
 
 
 @dataclass
@@ -253,13 +270,13 @@ def count_syncs(trainer: Trainer, steps: int) -> float:
     return sum("synchroniz" in str(w.message) for w in caught) / steps
 
 
-def measure(trainer: Trainer, repetitions: int, steps: int) -> Dict[str, Result]:
-    """One Result per variant. The variants run one after the other in each repetition (in a
-    rotating order), and each ratio compares runs of the same repetition, a second or so apart:
-    drift of the machine's speed over the run cancels out."""
+def measure(trainer: Trainer, repetitions: int, steps: int,
+            names: List[str]) -> Dict[str, Result]:
+    """One Result per variant of ``names`` (the baseline first). The variants run one after the
+    other in each repetition (in a rotating order), and each ratio compares runs of the same
+    repetition, a second or so apart: drift of the machine's speed over the run cancels out."""
     cuda = trainer.device == "cuda"
     clock = time.perf_counter if cuda else time.process_time
-    names = list(VARIANTS)
     steady: Dict[str, List[float]] = {name: [] for name in names}
     startup: Dict[str, List[float]] = {name: [] for name in names}
     events = {name: 0 for name in names}
@@ -325,6 +342,9 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="+", help="shapes to run (default: all of the device's)")
     parser.add_argument("--quick", action="store_true", help="a third of the repetitions")
     parser.add_argument("--repetitions", type=_positive, help="repetitions per shape (overrides)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANT_KEYS), metavar="VARIANT",
+                        help="variants to compare with the unguarded step (default: all of "
+                             f"{', '.join(VARIANT_KEYS)})")
     options = parser.parse_args(argv)
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available (use --device cpu)")
@@ -340,6 +360,7 @@ def main(argv=None) -> None:
         where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
                  f"CUDA {torch.version.cuda}")
         clock = "wall time between device syncs"
+    names = ["no guard"] + [VARIANT_KEYS[key] for key in options.variants or VARIANT_KEYS]
     print(f"{where}; {clock} per step after {WARMUP_STEPS} warm-up steps (first steps: the "
           f"warm-up); medians of alternated runs, ratios taken within each run\n")
     print("| shape | precision | variant | ms/step | × no guard | first steps × no guard "
@@ -349,7 +370,8 @@ def main(argv=None) -> None:
         for dtype, used in shapes[shape_name].items():
             repetitions = options.repetitions or max(1, REPETITIONS[shape_name] // (
                 3 if options.quick else 1))
-            results = measure(Trainer(used, dtype, options.device), repetitions, TIMED_STEPS)
+            results = measure(Trainer(used, dtype, options.device), repetitions, TIMED_STEPS,
+                              names)
             precision = str(dtype).replace("torch.", "")
             for name, result in results.items():
                 shown_events = result.events if name.startswith("trace") else "-"

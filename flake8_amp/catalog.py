@@ -298,9 +298,10 @@ _RULES: Tuple[Rule, ...] = (
         "raise the loss scale (init_scale) or use bf16",
         "gradients underflowing fp16 at the current loss scale",
         """Gradients smaller than fp16's smallest subnormal (5.96e-8) after scaling
-        become exactly zero; when more than 1% of a layer's nonzero gradients do, that
-        layer learns on a fraction of its signal. Exact zeros (embedding rows not in the
-        batch, dead units) are sparsity, not underflow.""",
+        become exactly zero; when more than 1% of a layer's nonzero gradients do, carrying
+        more than 0.1% of its gradient norm, that layer learns on a fraction of its signal.
+        Exact zeros (embedding rows not in the batch, dead units) are sparsity, not
+        underflow.""",
         """Raise ``init_scale`` / keep the scaler growing, or train in bf16.""",
     ),
     _rule(

@@ -3,12 +3,17 @@
 Where the gradients are sampled:
 
 * with a GradScaler, right after the scaler unscaled them (reported by the scaler watch,
-  ``monitors/scaler.py``) on detailed steps, else at the optimizer step that applies them
-  (reusing the norms of a ``clip_grad_norm_`` in between); the scaler's own ``found_inf`` says
-  whether the step is skipped (AMP107-AMP109's business), so no separate finiteness pass is needed;
+  ``monitors/scaler.py``) on detailed steps, else at the optimizer step that applies them; the
+  scaler's own ``found_inf`` says whether the step is skipped (AMP107-AMP109's business), so no
+  separate finiteness pass is needed;
 * otherwise in a global optimizer step pre-hook (the gradients the optimizer is about to apply; if a
   scaler scaled them and nobody unscaled them, they are divided by the scale before judging);
 * for loops with neither, at ``guard.step()`` over the ``model=`` parameters.
+
+Norms are those of the gradients the optimizer applies, after any ``clip_grad_norm_``, in every
+precision: a norm the loop's clipping contains is not an explosion (AMP104). The other detailed
+statistics are taken at the unscale, before clipping, which would shrink the magnitudes AMP106
+compares with fp16's range; their norms are taken again at the step.
 
 The statistics of one set of gradients are ``torch._foreach_*`` kernels (fused over all parameters)
 producing one small tensor: every step only the per-parameter L2 norms (one pass: non-finite values,
@@ -38,7 +43,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flake8_amp.catalog import FP16_TINY_SUBNORMAL
-from amp_runtime.monitors import Monitor, OpHandler
+from amp_runtime.monitors import Monitor
 from amp_runtime.monitors.scaler import watch_of
 from amp_runtime.rules.amp011 import flushes_to_zero
 from amp_runtime.thresholds import Thresholds
@@ -200,6 +205,17 @@ def underflow_fraction(nonzero: float, clear: float) -> float:
     return (nonzero - clear) / 2 / nonzero
 
 
+def lost_norm_share(layer: LayerGrad, loss_scale: float) -> float:
+    """At most how much of ``layer``'s gradient norm its flushed values carried, each being below
+    fp16's lowest bin at ``loss_scale``. The smallest values of a gradient spanning many orders
+    of magnitude (a tied embedding's rarest tokens under a peaked softmax) can be 1-3 % of its
+    values and 1e-10 of its norm: their loss costs the layer nothing."""
+    if not layer.norm or not math.isfinite(layer.norm) or loss_scale <= 0:
+        return math.inf
+    flushed = layer.underflow_fraction * layer.numel * (1.0 - layer.zero_fraction)
+    return math.sqrt(flushed) * FP16_LOWEST_BIN / loss_scale / layer.norm
+
+
 def layer_stats(samples: Sequence[GradSample], host: List[float], factors: List[float],
                 scales: List[float]) -> Tuple[List[LayerGrad], Optional[float]]:
     """The per-layer statistics in ``host_values``' values, and the loss scale they had."""
@@ -309,11 +325,14 @@ def judge_gradients(
             # (1-D parameters get sums over the batch), over their nonzero values
             # (``underflow_fraction``: exact zeros are sparsity, not underflow).
             fraction = g.underflow_fraction
-            if g.ndim >= 2 and fraction is not None and fraction > limits.grad_underflow_fraction:
+            if g.ndim < 2 or fraction is None or fraction <= limits.grad_underflow_fraction:
+                continue
+            share = lost_norm_share(g, loss_scale)
+            if share > limits.grad_underflow_norm_share:
                 findings.append(("AMP106", dict(
                     fraction=fraction, layer=g.name, scale=loss_scale, module=layer_of(g.name),
                     details={"parameter": g.name, "loss_scale": loss_scale,
-                             "zero_fraction": g.zero_fraction},
+                             "zero_fraction": g.zero_fraction, "norm_share": share},
                 )))
     return findings
 
@@ -458,6 +477,18 @@ def unreached_parameters(samples: Sequence[GradSample], layers: Sequence[LayerGr
     return unreached, unknown
 
 
+def _with_applied_norms(sample: GradSample) -> GradSample:
+    """``sample``, taken at the unscale, with the norms of its gradients as the optimizer is about
+    to apply them (after any clipping)."""
+    grads = list(map(_GRAD, sample.params))
+    if any(map(operator.is_, grads, itertools.repeat(None))):
+        return sample
+    with torch._C.DisableTorchFunction():
+        norms = torch.stack(l2_norms(grads)).reshape(1, -1)
+        sample.stats = torch.cat((norms, sample.stats[1:]))
+    return sample
+
+
 class GradHealth(Monitor):
     """Samples the gradients where the optimizer consumes them and judges them once per step."""
 
@@ -472,8 +503,6 @@ class GradHealth(Monitor):
         self.sampled_optimizers: set = set()
         #: Optimizers whose gradients are sampled at their step: id -> (scaled_by, loss_scale).
         self.deferred: Dict[int, tuple] = {}
-        #: Per-gradient L2 norms ``clip_grad_norm_`` computed after the unscale (id(grad) -> norm).
-        self.clip_norms: Dict[int, torch.Tensor] = {}
         #: The lasting conditions (AMP105, AMP106) reported at the last judgement, per optimizer
         #: (None: ``guard.step()``), so that each is reported when it starts or changes.
         self._previous_keys: Dict[Optional[int], set] = {}
@@ -486,9 +515,6 @@ class GradHealth(Monitor):
         self.keep(register_optimizer_step_pre_hook(self._optimizer_step_starts))
         self._watch = watch_of(guard)
         self._watch.check_listeners.append(self._unscaled)
-
-    def op_handlers(self):
-        return {torch._foreach_norm: OpHandler(after=self._norms_computed)}
 
     # -- sampling ----------------------------------------------------------------------
 
@@ -527,7 +553,7 @@ class GradHealth(Monitor):
                         g.dim() >= 2 for g in grads]
                     stats = gradient_stats(grads, flush_factor, counted=counted)
                 else:
-                    stats = torch.stack(self._norms_reusing_clip(grads)).reshape(1, -1)
+                    stats = torch.stack(l2_norms(grads)).reshape(1, -1)
             watched, reached = self.reached.take(device_params)
             samples.append(GradSample(
                 names=self.names.names(device_params),
@@ -542,20 +568,11 @@ class GradHealth(Monitor):
             ))
         return samples
 
-    def _norms_reusing_clip(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        """The L2 norms (float32): those clip_grad_norm_ already computed, and the rest."""
-        if not self.clip_norms:
-            return l2_norms(grads)
-        known = [self.clip_norms.get(id(g)) for g in grads]
-        missing = [g for g, norm in zip(grads, known) if norm is None]
-        computed = iter(l2_norms(missing) if missing else ())
-        return [norm.float() if norm is not None else next(computed) for norm in known]
-
     def _unscaled(self, scaler, optimizer, still_scaled, grads):
         """GradScaler checked (usually unscaled) an optimizer's gradients (``grads``, or all)."""
         scaled_by = scaler._scale if still_scaled else None
         if not self._detailed_step():
-            # norms are taken at the optimizer step, reusing those of a clip_grad_norm_ in between
+            # sampled at the optimizer step, after any clipping
             self.deferred[id(optimizer)] = (scaled_by, scaler._scale)
             return
         ids = None if grads is None else {id(g) for g in grads}
@@ -565,21 +582,12 @@ class GradHealth(Monitor):
         self.unscaled.setdefault(id(optimizer), []).extend(samples)
         self.sampled_optimizers.add(id(optimizer))
 
-    def _norms_computed(self, func, args, kwargs, out):
-        order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-        if not self.deferred or order != 2:
-            return
-        for tensor, norm in zip(args[0], out):
-            # an fp16 norm may overflow where the fp32 one does not
-            if tensor.dtype in (torch.float32, torch.float64):
-                self.clip_norms[id(tensor)] = norm
-
     def _optimizer_step_starts(self, optimizer, args, kwargs):
         guard = self.guard
         if guard is None or guard.suspended or threading.get_ident() != guard._thread:
             return
         key = id(optimizer)
-        samples = self.unscaled.pop(key, [])
+        samples = list(map(_with_applied_norms, self.unscaled.pop(key, [])))
         if key not in self.sampled_optimizers:
             if key in self.deferred:
                 scaled_by, loss_scale = self.deferred.pop(key)
@@ -626,7 +634,6 @@ class GradHealth(Monitor):
         self.reached.step_ended()
         self.sampled_optimizers = set()
         self.deferred.clear()
-        self.clip_norms.clear()
         record.setdefault("grad_norm", None)
 
     # -- judgement ---------------------------------------------------------------------
