@@ -45,7 +45,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -255,24 +255,35 @@ class Result:
     peak_mib: Optional[float] = None  # peak memory allocated (CUDA)
 
 
-def count_syncs(trainer: Trainer, steps: int) -> float:
-    """Synchronising CUDA calls per step, as torch.cuda's sync debug mode reports them."""
-    trainer.sync()
-    with warnings.catch_warnings(record=True) as caught:
+@contextlib.contextmanager
+def sync_debug_mode(on_sync: Callable[[], None]) -> Iterator[None]:
+    """Within the block, ``on_sync()`` runs at each synchronising CUDA call (where torch.cuda's
+    sync debug mode warns, not at the mode's own notice that it is a prototype)."""
+
+    def show(message, *args, **kwargs):
+        text = str(message)
+        if "synchroniz" in text and "prototype" not in text:
+            on_sync()
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            for _ in range(steps):
-                trainer.step()
+            yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def count_syncs(trainer: Trainer, steps: int) -> float:
+    """Synchronising CUDA calls per step, as torch.cuda's sync debug mode reports them."""
+    syncs: List[None] = []
     trainer.sync()
-    return sum(is_sync_warning(str(w.message)) for w in caught) / steps
-
-
-def is_sync_warning(message: str) -> bool:
-    """A synchronising call's warning, not the mode's notice that it is a prototype."""
-    return "synchroniz" in message and "prototype" not in message
+    with sync_debug_mode(lambda: syncs.append(None)):
+        for _ in range(steps):
+            trainer.step()
+    trainer.sync()
+    return len(syncs) / steps
 
 
 def measure(trainer: Trainer, repetitions: int, steps: int,

@@ -14,12 +14,10 @@ import argparse
 import collections
 import os
 import traceback
-import warnings
 
 import torch
 
-import amp_runtime
-from guard_overhead import SHAPES, VARIANT_KEYS, VARIANTS, Trainer, is_sync_warning
+from guard_overhead import SHAPES, VARIANT_KEYS, VARIANTS, Trainer, sync_debug_mode
 
 COUNTED_STEPS = 32
 
@@ -35,26 +33,15 @@ def _stack() -> str:
 def sync_sites(trainer: Trainer, variant: str, steps: int):
     """(syncs per step by stack, reading counts over the counted steps, event codes)."""
     sites: collections.Counter = collections.Counter()
-
-    def record(message, *args, **kwargs):
-        if is_sync_warning(str(message)):
-            sites[_stack()] += 1
-
     with VARIANTS[variant]() as guard:
         for _ in range(steps):
             trainer.step()
         trainer.sync()
         counts = guard.readings.counts
         before = (counts.copies, counts.reads, counts.waits)
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(COUNTED_STEPS):
-                    trainer.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        with sync_debug_mode(lambda: sites.update([_stack()])):
+            for _ in range(COUNTED_STEPS):
+                trainer.step()
         trainer.sync()
         during = [now - then for now, then in zip(
             (counts.copies, counts.reads, counts.waits), before)]

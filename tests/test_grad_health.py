@@ -533,28 +533,45 @@ class TokenGPT(torch.nn.Module):
         return self.head(x)
 
 
+def train_fp16_language_model(model, vocab, steps, length, after_backward, clip=False,
+                              **guard_options):
+    """Train ``model`` (token ids to logits) on random batches of 4 sequences in fp16 with a
+    GradScaler under the guard; ``after_backward(scaler)`` runs after each backward (after the
+    unscale where the loop clips). Returns the guard and the scaler."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    generator = torch.Generator().manual_seed(0)
+    with amp_runtime.guard(policy="record", **guard_options) as g:
+        for _ in range(steps):
+            batch = torch.randint(vocab, (4, length + 1), generator=generator)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
+                                                     batch[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+            after_backward(scaler)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+    return g, scaler
+
+
 @pytest.mark.parametrize("logged", [False, True])
 def test_healthy_gpt_with_a_sparse_token_embedding_has_no_underflow(logged, tmp_path):
     """The embedding rows of tokens absent from a batch have exact-zero gradients: sparsity, not
     underflow. 40 steps cross the detailed steps 0 and 32 (logged: every step is detailed)."""
     torch.manual_seed(0)
     model = TokenGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    generator = torch.Generator().manual_seed(0)
     zero_rows = []
-    with amp_runtime.guard(policy="record", log_dir=tmp_path if logged else None) as g:
-        for _ in range(40):
-            batch = torch.randint(512, (4, 17), generator=generator)  # 64 tokens of 512
-            with torch.autocast("cpu", dtype=torch.float16):
-                logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 512),
-                                                     batch[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            zero_rows.append((model.tokens.weight.grad == 0).all(dim=1).float().mean().item())
-            scaler.step(opt)
-            scaler.update()
+    g, scaler = train_fp16_language_model(  # 64 tokens of 512 a batch
+        model, 512, 40, 16,
+        lambda scaler: zero_rows.append(
+            (model.tokens.weight.grad == 0).all(dim=1).float().mean().item()),
+        log_dir=tmp_path if logged else None)
     assert g.step_index == 40 and scaler.get_scale() == 2.0 ** 16
     assert min(zero_rows) > 0.01  # the sparsity the old count took for underflow
     assert not g.report.by_code("AMP106"), g.report.summary()
@@ -611,24 +628,12 @@ def test_the_rarest_tokens_of_a_tied_embedding_flushing_are_not_underflow():
     norm: the layer loses nothing."""
     torch.manual_seed(0)
     model = TiedLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    generator = torch.Generator().manual_seed(0)
     fractions = []
-    with amp_runtime.guard(policy="record") as g:
-        for _ in range(2):
-            batch = torch.randint(8192, (4, 65), generator=generator)
-            with torch.autocast("cpu", dtype=torch.float16):
-                logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 8192),
-                                                     batch[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            stats = gradient_stats([model.tokens.weight.grad], torch.tensor(scaler.get_scale()))
-            fractions.append(underflow_fraction(stats[NONZERO, 0].item(), stats[CLEAR, 0].item()))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
+
+    def count(scaler):
+        stats = gradient_stats([model.tokens.weight.grad], torch.tensor(scaler.get_scale()))
+        fractions.append(underflow_fraction(stats[NONZERO, 0].item(), stats[CLEAR, 0].item()))
+
+    g, _ = train_fp16_language_model(model, 8192, 2, 64, count, clip=True)
     assert fractions[0] > Thresholds().grad_underflow_fraction  # step 0 is a detailed step
     assert not g.report.by_code("AMP106"), g.report.summary()
