@@ -474,7 +474,7 @@ def _draw_timeline(run, axes, figure) -> str:
 _PLOTS: Sequence[Tuple[str, str, Callable]] = (
     ("loss", "Loss", _draw_loss),
     ("loss-scale", "Loss scale (log2), skipped steps marked", _draw_loss_scale),
-    ("grad-norm", "Total gradient norm (unscaled)", _draw_grad_norm),
+    ("grad-norm", "Total gradient norm (unscaled, as applied)", _draw_grad_norm),
     ("layer-heatmap", "Per-layer gradient norm (layers × steps)", _draw_layer_heatmap),
     ("underflow", "Gradient underflow fraction in fp16, per layer", _draw_underflow),
     ("timeline", "Events timeline", _draw_timeline),

@@ -6,7 +6,8 @@ Schema (one line per step, in step order)::
      "loss": float | null,         # mean loss backward started from in this step, unscaled
      "loss_scale": float | null,   # the GradScaler's scale used in this step; null without a scaler
      "skipped": bool,              # the scaler skipped the optimizer step (inf/NaN gradients)
-     "grad_norm": float | null,    # total unscaled gradient norm; null if not measured/finite
+     "grad_norm": float | null,    # total unscaled norm of the gradients applied (after any
+                                   # clipping); null if not measured/finite
      "layers": {"<parameter name>": {"max": float, "norm": float, "zero_fraction": float,
                                      "underflow_fraction": float | null}}}
 
