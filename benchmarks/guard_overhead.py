@@ -129,9 +129,9 @@ class Shape:
     length: int
     batch: int
     vocab: int = 256
-    #: GPT-2's choices: scaled-dot-product attention, the head tied to the token embedding
-    #: (and GPT-2's initialisation),
-    #: gradients clipped to norm 1 (the CPU shapes keep the step their README rows measured).
+    #: GPT-2's choices: scaled-dot-product attention, the head tied to the token embedding (with
+    #: GPT-2's initialisation), gradients clipped to norm 1 (the CPU shapes keep the step their
+    #: README rows measured).
     fused_attention: bool = False
     tied: bool = False
     clip: bool = False

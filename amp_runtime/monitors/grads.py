@@ -316,8 +316,9 @@ def judge_gradients(
             details={"total_norm": total, "largest": largest.name, "largest_norm": largest.norm},
         )))
 
-    findings += _vanishing(
-        [g for g in layers if g.name not in unreached] if unreached else layers, total, limits)
+    reached = [g for g in layers if g.name not in unreached] if unreached else layers
+    findings += _vanishing(reached, total if reached is layers else total_norm(reached), total,
+                           limits)
 
     if loss_scale is not None and layers[0].max is not None:  # detailed step
         for g in layers:
@@ -337,12 +338,12 @@ def judge_gradients(
     return findings
 
 
-def _vanishing(reached: Sequence[LayerGrad], total: float,
+def _vanishing(reached: Sequence[LayerGrad], reached_total: float, total: float,
                limits: Thresholds) -> List[Tuple[str, dict]]:
-    """AMP105 over the gradients the step's backward wrote (``total``: the norm of all)."""
+    """AMP105 over the gradients the step's backward wrote (``reached_total``: their norm;
+    ``total``: the norm of all)."""
     if not reached:
         return []
-    reached_total = total_norm(reached)
     if reached_total < limits.grad_vanishing_total:
         return [("AMP105", dict(
             detail=f"total gradient norm {reached_total:.3g} is below "
