@@ -218,6 +218,13 @@ class ScalerFlow:
         ``scaler.update()`` after it): a plain step there applies the same gradients again."""
         return any(optimizer_key in state.stepped for state in self.states_before.get(call, ()))
 
+    def stepped_another_before(self, call: nodes.Call, optimizer_key: Optional[str]) -> bool:
+        """Every path to ``call`` ran ``scaler.step`` on an optimizer other than
+        ``<optimizer_key>`` since the last backward: a plain step of ``<optimizer_key>``
+        there applies the same backward's gradients, past the scaler."""
+        states = self.states_before.get(call, ())
+        return bool(states) and all(state.stepped - {optimizer_key} for state in states)
+
     def left_scaled_before(
         self, call: nodes.Call, optimizer_key: Optional[str],
         unless_zeroed: Sequence[FrozenSet[str]],
@@ -766,12 +773,16 @@ class ScalerAnalysis:
             for call in calls
         )
 
-    def scaled_elsewhere(self, node: nodes.Call, clip: bool = False) -> bool:
+    def scaled_elsewhere(
+        self, node: nodes.Call, clip: bool = False, after_own_step: bool = False
+    ) -> bool:
         """The gradients ``node`` (a plain ``optimizer.step()`` or a clip) sees are scaled
         though its function runs no backward before it (``backward()`` scales in one method,
         ``step()`` clips and steps in another): code that can reach it (:meth:`_reach`) runs
         a scaled backward through a scaler built in this module, and none of it unscales
-        one or hands one on, nor steps through one. A ``clip`` may sit in a method that
+        one or hands one on, nor steps through one -- except, with ``after_own_step``,
+        ``node``'s own function, which stepped another optimizer through the scaler before
+        ``node`` (the same backward's gradients). A ``clip`` may sit in a method that
         every call in the module runs before the method that steps through the scaler
         (``opt.clip_grad_norm(1.0); opt.step()`` on a wrapper whose ``step`` runs
         ``self.scaler.step``): those gradients are still scaled."""
@@ -801,7 +812,12 @@ class ScalerAnalysis:
                 for construction in scaler.constructions
             )
         ]
-        stepping = [flow.scope for flow in flows if flow.scaler_steps]
+        stepping = [
+            flow.scope for flow in flows
+            if flow.scaler_steps and not (after_own_step and flow.scope is function)
+        ]
+        if after_own_step and any(_plain_backwards(flow) for flow in flows):
+            return False  # the optimizer may step gradients of a plain backward (a GAN's D)
         if stepping and not (clip and self._called_before(function, stepping)):
             return False
         return (
@@ -888,6 +904,16 @@ class ScalerAnalysis:
             for method, receiver in map(method_call, calls_in_order(scope))
             if receiver is not None
         )
+
+
+def _plain_backwards(flow: ScalerFlow) -> List[nodes.Call]:
+    """The backward calls of ``flow``'s function that do not go through a scaler."""
+    if not isinstance(flow.scope, nodes.FunctionDef):
+        return []
+    return [
+        call for call in calls_in_order(flow.scope)
+        if method_call(call)[0] in BACKWARD_METHODS and call not in flow.scaled_backwards
+    ]
 
 
 def _reaches(construction: nodes.Call, scope: nodes.NodeNG, names, depth: int = 0) -> bool:

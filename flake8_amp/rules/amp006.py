@@ -63,7 +63,7 @@ class StepBypassesScaler(Check):
             )
             return
         if not phases & {SCALED, UNSCALED} and not (
-            phases <= {None} and scaler_analysis(self.context).scaled_elsewhere(node)
+            phases <= {None} and self._scaled_elsewhere(node, key, flow)
         ) and not flow.left_scaled_before(node, key, zeroed):
             return
         self.report(
@@ -71,6 +71,13 @@ class StepBypassesScaler(Check):
             detail=f"{receiver.as_string()}.step() applies gradients scaled by GradScaler "
             "(inf/NaN steps are not skipped)",
         )
+
+    def _scaled_elsewhere(self, node: nodes.Call, key, flow: ScalerFlow) -> bool:
+        """The backward ran in another function and scaled these gradients; also when this
+        function steps another optimizer through the scaler first (``scaler.step(opt);
+        scaler.update(); weight_optimizer.step()``: both hold that backward's gradients)."""
+        after_own_step = flow.stepped_another_before(node, key)
+        return scaler_analysis(self.context).scaled_elsewhere(node, after_own_step=after_own_step)
 
     def _wraps_scaler(self, optimizer: nodes.NodeNG) -> bool:
         """The optimizer was built around the scaler (``AmpOptimizer(opt, scaler)``)."""

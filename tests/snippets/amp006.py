@@ -716,3 +716,43 @@ def second_optimizer_after_its_own_plain_backward(model, critic, data, optimizer
     critic_opt.zero_grad()
     critic(data).float().pow(2).mean().backward()
     critic_opt.step()
+
+
+class TaskWeightedTrainer:
+    """Backward in one method, both steps in another: the weights' optimizer holds the same
+    scaled gradients the scaler just stepped past."""
+
+    def __init__(self, model, log_vars):
+        self.optimizer = torch.optim.AdamW(model.parameters())
+        self.weight_optimizer = torch.optim.Adam([log_vars], lr=1e-3)
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.weight_optimizer.step()  # AMP006
+        self.optimizer.zero_grad(set_to_none=True)
+        self.weight_optimizer.zero_grad(set_to_none=True)
+
+
+class GanTrainerWithPlainDiscriminatorBackward:
+    """The discriminator's gradients come from a plain fp32 backward of its own."""
+
+    def __init__(self, generator, discriminator):
+        self.opt_g = torch.optim.Adam(generator.parameters())
+        self.opt_d = torch.optim.Adam(discriminator.parameters())
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward_generator(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def backward_discriminator(self, loss):
+        loss.float().backward()
+
+    def step(self):
+        self.scaler.step(self.opt_g)
+        self.scaler.update()
+        self.opt_d.step()
