@@ -641,6 +641,8 @@ class Dtypes:
             if values and all(isinstance(v, COMPREHENSIONS) for v in values):
                 # ``outs = [conv(x) for ...]`` where it is read (``outs = [o + y for o in outs]``
                 # after it holds other elements)
+                if self.names.stored_into(expr):
+                    return None  # ``outs[i] = outs[i].float()``: elements of other kinds
                 kinds = {self._of(value.elt, depth) for value in values}
                 return kinds.pop() if len(kinds) == 1 else None
             items = self.names.list_items(expr)  # ``heads = []``, ``heads.append(head)``

@@ -28,6 +28,7 @@ from typing import (
 )
 
 from astroid import nodes
+from astroid.const import Context
 from astroid.manager import AstroidManager
 
 #: Module paths that re-export the same objects under a shorter public name.
@@ -788,7 +789,7 @@ class Names:
                 isinstance(expr.func, nodes.Name) and self._called_class(expr) is not None
             ):
                 return [expr]
-            registered = self._registered(expr.func, depth)
+            registered = self._registered(expr, depth)
             if registered is not None:  # ``MODELS[cfg.arch](cfg)``
                 return registered
             # ``model = build_model(args)``, ``self.loss = self._build_loss()``: what a
@@ -831,11 +832,13 @@ class Names:
         values = [v for v in values or [] if v is None or v.statement() is not statement]
         return self._all_constructions(values, depth)
 
-    def _registered(self, func: nodes.NodeNG, depth: int) -> Optional[List[nodes.NodeNG]]:
+    def _registered(self, call: nodes.Call, depth: int) -> Optional[List[nodes.NodeNG]]:
         """What calling an entry of a registry builds: for ``MODELS[cfg.arch](...)`` with
-        ``MODELS`` bound once to a dict literal, each value's class of this module or the
-        constructions of what each builder function or lambda of this module returns; None
-        for anything else."""
+        ``MODELS`` bound once to a dict literal, each value's class of this module, the
+        constructions of what each builder function or lambda of this module returns, and
+        ``call`` itself for a ``torch.nn`` class (``"BN": nn.BatchNorm1d``: a module from
+        elsewhere); None for anything else."""
+        func = call.func
         if not isinstance(func, nodes.Subscript) or not isinstance(func.value, nodes.Name):
             return None
         bindings = self.bindings(func.value)
@@ -847,6 +850,10 @@ class Names:
             classdef = self._class_named(entry)
             if classdef is not None:
                 built.append(classdef)
+                continue
+            qualname = self.qualname(entry) or ""
+            if qualname.startswith("torch.nn.") and last_part(qualname)[:1].isupper():
+                built.append(call)
                 continue
             if isinstance(entry, nodes.Lambda):  # ``"fno2d": lambda cfg: FNO2d(cfg.modes)``
                 returned = self.constructions(entry.body, depth)
@@ -1170,6 +1177,16 @@ class Names:
             node = node.parent
         return last
 
+    def stored_into(self, name: nodes.Name) -> bool:
+        """Whether the function of ``name`` stores into an element of what it names
+        (``outs[i] = outs[i].float()``)."""
+        frame = name.frame()
+        return any(
+            isinstance(node.value, nodes.Name) and node.value.name == name.name
+            and node.ctx != Context.Load
+            for node in frame.nodes_of_class(nodes.Subscript)
+        )
+
     def _list_use(self, use: nodes.Name) -> Optional[List[nodes.NodeNG]]:
         """What a use of a list name adds to it ([] for a read); None if it may change it
         otherwise."""
@@ -1183,6 +1200,9 @@ class Names:
             return self._added_by(call)
         if isinstance(parent, (nodes.For, nodes.Comprehension)) and parent.iter is use:
             return []  # iterated over
+        if (isinstance(parent, nodes.Subscript) and parent.value is use
+                and parent.ctx == Context.Load):
+            return []  # an element read (``outs[0]``), not stored
         if isinstance(parent, nodes.Tuple) and isinstance(parent.parent, nodes.Return):
             parent = parent.parent  # ``return scores, fmaps``
         if isinstance(parent, nodes.Return):

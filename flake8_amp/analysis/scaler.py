@@ -816,7 +816,7 @@ class ScalerAnalysis:
             flow.scope for flow in flows
             if flow.scaler_steps and not (after_own_step and flow.scope is function)
         ]
-        if after_own_step and any(_plain_backwards(flow) for flow in flows):
+        if after_own_step and any(_plain_backwards(flow, self.names) for flow in flows):
             return False  # the optimizer may step gradients of a plain backward (a GAN's D)
         if stepping and not (clip and self._called_before(function, stepping)):
             return False
@@ -906,13 +906,16 @@ class ScalerAnalysis:
         )
 
 
-def _plain_backwards(flow: ScalerFlow) -> List[nodes.Call]:
-    """The backward calls of ``flow``'s function that do not go through a scaler."""
+def _plain_backwards(flow: ScalerFlow, names) -> List[nodes.Call]:
+    """The backward calls of ``flow``'s function that do not go through a scaler (not a
+    method of this module named ``backward``: ``self.backward(loss)`` runs the code it
+    holds)."""
     if not isinstance(flow.scope, nodes.FunctionDef):
         return []
     return [
         call for call in calls_in_order(flow.scope)
         if method_call(call)[0] in BACKWARD_METHODS and call not in flow.scaled_backwards
+        and names.local_function(call) is None
     ]
 
 

@@ -730,6 +730,10 @@ class TaskWeightedTrainer:
     def backward(self, loss):
         self.scaler.scale(loss).backward()
 
+    def train_step(self, loss):
+        self.backward(loss)
+        self.optimizer_step()
+
     def optimizer_step(self):
         self.scaler.step(self.optimizer)
         self.scaler.update()
