@@ -191,7 +191,9 @@ class GradContext:
         self._eval_scopes: Dict[nodes.NodeNG, bool] = {}
         self._training_scopes: Dict[nodes.NodeNG, bool] = {}
         self._scope_calls: Dict[nodes.NodeNG, FrozenSet[str]] = {}
-        self._frozen_objects: Dict[nodes.NodeNG, Tuple[FrozenSet[str], FrozenSet[str], list]] = {}
+        self._frozen_objects: Dict[
+            nodes.NodeNG, Tuple[FrozenSet[str], FrozenSet[str], list, FrozenSet[str]]
+        ] = {}
 
     def no_grad_at(self, node: nodes.NodeNG) -> bool:
         """``node`` runs under no_grad / inference_mode / set_grad_enabled(False)."""
@@ -517,14 +519,17 @@ class GradContext:
             for mark in MASTER_WEIGHT_MARKS
         )
 
-    def _freezing(self, scope: nodes.NodeNG) -> Tuple[FrozenSet[str], FrozenSet[str], list]:
+    def _freezing(
+        self, scope: nodes.NodeNG
+    ) -> Tuple[FrozenSet[str], FrozenSet[str], list, FrozenSet[str]]:
         """(frozen, trained) objects of ``scope``: ``m.train()`` undoes ``m.eval()`` but not
         ``m.requires_grad_(False)`` (LoRA freezes the base model and trains adapters in it);
         an optimizer over ``m.parameters()`` undoes both, ``train_one_epoch(m)`` only the
         first (a frozen UNet is handed to ``train(unet, controlnet, ...)`` to run it). Third, the
         freezes of a branch that leaves the function (``if cfg.lora: model.requires_grad_(
         False); ...; return model``), as (its statements, objects): they hold in that branch
-        only, not on the path that falls through it (``return model.to(torch.bfloat16)``)."""
+        only, not on the path that falls through it (``return model.to(torch.bfloat16)``).
+        Fourth, the objects whose ``requires_grad`` it turns off, trained or not."""
         if scope not in self._frozen_objects:
             without_grad, in_eval, in_train_mode, trained = set(), set(), set(), set()
             optimized = set()  # given to an optimizer: undoes requires_grad_(False) too
@@ -562,8 +567,17 @@ class GradContext:
                 frozenset(frozen_objects - {""}),
                 frozenset(trained | in_train_mode),
                 [(branch, frozenset(keys - trained - {""})) for branch, keys in leaving.items()],
+                frozenset(without_grad - {""}),
             )
         return self._frozen_objects[scope]
+
+    def grads_turned_off(self, node: nodes.NodeNG) -> bool:
+        """The function of ``node`` turns off ``requires_grad`` of the object ``node`` is
+        assigned to (``model.requires_grad_(False)``, ``p.requires_grad = False`` over its
+        parameters), whatever it optimizes later: what an optimizer then picks from it is
+        what was added since (LoRA adapters)."""
+        key = object_key(assign_target(chain_top(node, CHAIN_METHODS)))
+        return bool(key) and key in self._freezing(code_frame(node))[3]
 
     def not_training_at(self, node: nodes.NodeNG) -> bool:
         """Gradients are off, the code is not training code, or ``node`` only checks values

@@ -983,7 +983,9 @@ class Dtypes:
         return unpacked is not None and _is_shape(unpacked[0])
 
     def _call(self, call: nodes.Call, depth: int) -> Optional[str]:
-        explicit = self.named_kind(keyword_value(call, "dtype"), depth)
+        # ``torch.zeros(n, dtype=...)``; ``from_pretrained(name, torch_dtype=...)`` loads in it
+        given = keyword_value(call, "dtype") or keyword_value(call, "torch_dtype")
+        explicit = self.named_kind(given, depth)
         if explicit is not None:
             return explicit
         func = call.func

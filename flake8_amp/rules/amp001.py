@@ -36,6 +36,8 @@ FLAG_WORDS = frozenset(
 AMP_SWITCHES = frozenset({"autocast", "GradScaler"})
 #: Methods whose definitions legitimately call the cast (``Module.half`` overrides).
 CAST_DEFINITIONS = frozenset({"half", "bfloat16", "to", "type", "_apply"})
+#: Loaders that build a model in the dtype they are given (``torch_dtype=`` / ``dtype=``).
+LOADERS = frozenset({"from_pretrained", "from_config"})
 
 
 class ManualCast(Check):
@@ -48,10 +50,28 @@ class ManualCast(Check):
         func = node.func
         if not isinstance(func, nodes.Attribute):
             return
+        if func.attrname in LOADERS:
+            self._check_load(node, func)
+            return
         kind = self.context.dtypes.cast_target(node)
         if kind not in DTYPE_NAMES or self._legitimate(node, func):
             return
         self.report(node, target=self.source_text(func.expr), dtype=DTYPE_NAMES[kind])
+
+    def _check_load(self, node: nodes.Call, func: nodes.Attribute) -> None:
+        """``AutoModel.from_pretrained(name, torch_dtype=torch.float16)`` and then an optimizer
+        over its weights: the model trains in low precision as a cast one does. Loading
+        for inference, or frozen under an adapter (LoRA, QLoRA: the optimizer steps the
+        adapter's weights), is the idiom, so only such an optimizer in the function counts."""
+        kind = self.context.dtypes.of(node)
+        if kind not in (FP16, BF16) or self._behind_precision_flag(node):
+            return
+        grad = self.context.grad
+        if grad.frozen(node) or grad.grads_turned_off(node):
+            return
+        if not self._stepped_after(node, frozen_too=False):
+            return
+        self.report(node, target=f"model loaded by {func.attrname}()", dtype=DTYPE_NAMES[kind])
 
     def _legitimate(self, node: nodes.Call, func: nodes.Attribute) -> bool:
         grad = self.context.grad
@@ -87,10 +107,11 @@ class ManualCast(Check):
             "dtype" in argument.as_string() for argument in arguments
         )
 
-    def _stepped_after(self, node: nodes.Call) -> bool:
+    def _stepped_after(self, node: nodes.Call, frozen_too: bool = True) -> bool:
         """A ``torch.optim`` optimizer built later in the function steps the parameters this
         cast made low precision: the cast is what decides their dtype there (the last cast
-        of the module or of one it is part of; ``model.float()`` in between undoes it)."""
+        of the module or of one it is part of; ``model.float()`` in between undoes it).
+        ``frozen_too=False``: not through parameters picked by ``requires_grad``."""
         grad, dtypes = self.context.grad, self.context.dtypes
         top = chain_top(node, CHAIN_METHODS)
         after = False
@@ -98,7 +119,7 @@ class ManualCast(Check):
             after = after or call is top
             if not after or not grad.builds_optimizer(call):
                 continue
-            for module in grad.optimized_modules(call):
+            for module in grad.optimized_modules(call, frozen_too):
                 decided_by = dtypes.module_kind_at(module, call)[1]
                 if decided_by is node or decided_by is top:
                     return True

@@ -134,8 +134,12 @@ class TinyEpsilon(Check):
         )
         if not _is_tiny(value):
             return
-        dtypes = self.context.dtypes
-        modules = self.context.grad.optimized_modules(node)
-        if modules and all(dtypes.module_kind_at(module, node)[0] == FP16 for module in modules):
-            label = f"{value:g}" if given is not None else f"{value:g} (the default eps)"
-            self.report(node, value=label)
+        dtypes, grad = self.context.dtypes, self.context.grad
+        modules = grad.optimized_modules(node)
+        decided = [dtypes.module_kind_at(module, node) for module in modules]
+        if not modules or any(kind != FP16 for kind, _ in decided):
+            return
+        if any(cast is not None and grad.grads_turned_off(cast) for _, cast in decided):
+            return  # what it picks from a frozen model was added since (LoRA adapters)
+        label = f"{value:g}" if given is not None else f"{value:g} (the default eps)"
+        self.report(node, value=label)

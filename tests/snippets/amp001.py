@@ -982,3 +982,82 @@ class HistogramTrainer:
     def activation_histogram(self, values):
         compact = values.to(torch.float16)
         return torch.histc(compact.float(), bins=10)
+
+
+# A model loaded in low precision and then optimized whole trains like a cast one.
+def finetune_loaded_in_fp16(args, loader):
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float16).cuda()  # AMP001
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-6)
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def finetune_loaded_in_bf16_new_keyword(name, loader):
+    model = AutoModelForSequenceClassification.from_pretrained(name, dtype=th.bfloat16)  # AMP001
+    optimizer = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if "bias" not in n], "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if "bias" in n], "weight_decay": 0.0},
+    ], lr=2e-5)
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
+
+
+def qlora_base_loaded_in_fp16(args, loader, lora_config):
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, torch_dtype=torch.float16, quantization_config=args.bnb)
+    model = prepare_model_for_kbit_training(model)
+    model = get_peft_model(model, lora_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
+
+
+def adapters_by_hand_on_a_half_base(args, loader):
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float16)
+    for param in model.parameters():
+        param.requires_grad = False
+    add_adapters(model, rank=8)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
+
+
+def half_teacher_fp32_student(args, student, loader):
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, torch_dtype=torch.float16).eval()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    for batch in loader:
+        with torch.no_grad():
+            target = teacher(**batch).logits
+        loss = torch.nn.functional.mse_loss(student(**batch).logits.float(), target.float())
+        loss.backward()
+        optimizer.step()
+
+
+def loader_dtype_behind_a_precision_flag(args, loader):
+    dtype = torch.float16 if args.fp16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
+
+
+def generate_with_a_bf16_model(name, prompts):
+    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16).cuda().eval()
+    return [model.generate(**p) for p in prompts]
+
+
+def lora_by_name_on_a_base_loaded_in_bf16(args, loader):
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    inject_lora(model, r=args.lora_r)
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
