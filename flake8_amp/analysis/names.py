@@ -281,14 +281,17 @@ class Names:
                 found.add(method)
         return found
 
-    def object_method(self, call: nodes.Call) -> Optional[nodes.FunctionDef]:
-        """The ``__call__`` of a class of this module that calling an object of it runs
-        (``loss_scaler(loss, optimizer)``, ``self.loss_scaler(...)``); ``obj.m(...)`` is
+    def object_methods(self, call: nodes.Call) -> List[nodes.FunctionDef]:
+        """The ``__call__`` of each class of this module that may have built the object
+        ``call`` calls (``loss_scaler(loss, optimizer)`` after ``loss_scaler = ApexScaler()
+        if apex else NativeScaler()``, ``self.loss_scaler(...)``); none when a class from
+        elsewhere may have, or one has no ``__call__``. ``obj.m(...)`` is
         :meth:`local_function`'s."""
         if not isinstance(call.func, (nodes.Name, nodes.Attribute)):
-            return None
-        classdef = self.local_class(call.func)
-        return self.method_of(classdef, "__call__") if classdef is not None else None
+            return []
+        methods = [self.method_of(classdef, "__call__") if classdef is not None else None
+                   for classdef in self.local_classes(call.func)]
+        return methods if methods and None not in methods else []
 
     def call_sites(self, function: nodes.FunctionDef) -> List[nodes.Call]:
         """The calls of ``function`` in this module: ``f(...)``, or ``self.f(...)`` in its

@@ -780,9 +780,10 @@ class ScalerAnalysis:
         though its function runs no backward before it (``backward()`` scales in one method,
         ``step()`` clips and steps in another): code that can reach it (:meth:`_reach`) runs
         a scaled backward through a scaler built in this module, and none of it unscales
-        one or hands one on, nor steps through one -- except, with ``after_own_step``,
-        ``node``'s own function, which stepped another optimizer through the scaler before
-        ``node`` (the same backward's gradients). A ``clip`` may sit in a method that
+        one or hands one on, nor steps through one. With ``after_own_step`` (``node``'s own
+        function stepped another optimizer through the scaler before it: the same
+        backward's gradients, no fallback for a path without a scaler) the scaled backward
+        is enough, unless that code also runs a plain one. A ``clip`` may sit in a method that
         every call in the module runs before the method that steps through the scaler
         (``opt.clip_grad_norm(1.0); opt.step()`` on a wrapper whose ``step`` runs
         ``self.scaler.step``): those gradients are still scaled."""
@@ -812,12 +813,11 @@ class ScalerAnalysis:
                 for construction in scaler.constructions
             )
         ]
-        stepping = [
-            flow.scope for flow in flows
-            if flow.scaler_steps and not (after_own_step and flow.scope is function)
-        ]
-        if after_own_step and any(_plain_backwards(flow, self.names) for flow in flows):
-            return False  # the optimizer may step gradients of a plain backward (a GAN's D)
+        stepping = [flow.scope for flow in flows if flow.scaler_steps]
+        if after_own_step:
+            # scaled or unscaled (``unscale_`` checks nothing), unless the optimizer may step
+            # gradients of a plain backward (a GAN's discriminator)
+            return bool(scaling) and not any(_plain_backwards(f, self.names) for f in flows)
         if stepping and not (clip and self._called_before(function, stepping)):
             return False
         return (

@@ -43,12 +43,15 @@ class BackwardUnderAutocast(Check):
         """``call`` calls a function of this module that runs a backward (``accumulate(loss,
         scaler)``), or an object whose class here runs one in the method called
         (``loss_scaler(loss, optimizer)`` of a class whose ``__call__`` scales the backward,
-        ``wrapper.backward(loss)``), which is not reported inside it: its other callers leave
-        autocast first, so the call inside a region is the line to change."""
+        every class it may be of doing so; ``wrapper.backward(loss)``), which is not reported
+        inside it: its other callers leave autocast first, so the call inside a region is the
+        line to change."""
         names = self.context.names
-        helper = names.local_function(call) or names.object_method(call)
-        if helper is None:
-            return False
+        function = names.local_function(call)
+        helpers = [function] if function is not None else names.object_methods(call)
+        return bool(helpers) and all(map(self._backward_unreported_in, helpers))
+
+    def _backward_unreported_in(self, helper: nodes.FunctionDef) -> bool:
         grad = self.context.grad
         backwards = [
             inner

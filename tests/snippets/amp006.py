@@ -760,3 +760,34 @@ class GanTrainerWithPlainDiscriminatorBackward:
         self.scaler.step(self.opt_g)
         self.scaler.update()
         self.opt_d.step()
+
+
+class BaseStepTrainer:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def clip_gradients(self, max_norm):
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def optimizer_step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class LearnedWeightsTrainer(BaseStepTrainer):
+    """Overrides the base class's step: the weights' optimizer steps the same scaled backward."""
+
+    def __init__(self, model, optimizer, log_vars):
+        super().__init__(model, optimizer)
+        self.weight_optimizer = torch.optim.Adam([log_vars], lr=1e-2)
+
+    def optimizer_step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.weight_optimizer.step()  # AMP006
+        self.weight_optimizer.zero_grad(set_to_none=True)

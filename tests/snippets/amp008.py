@@ -478,3 +478,61 @@ class PolicyTrainer:
             self.backward(loss)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+
+# ---- a loss scaler chosen among classes of the file -------------------------------------
+class ClipNormScaler:
+    def __init__(self):
+        self._scaler = torch.amp.GradScaler("cuda")
+
+    def __call__(self, loss, optimizer, clip_grad=None, parameters=None):
+        self._scaler.scale(loss).backward()
+        self._scaler.unscale_(optimizer)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        self._scaler.step(optimizer)
+        self._scaler.update()
+
+
+class ClipValueScaler:
+    def __init__(self):
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def __call__(self, loss, optimizer, clip_grad=None, parameters=None):
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(optimizer)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grad_value_(parameters, clip_grad)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+class StepOnlyScaler:
+    """Steps what a backward elsewhere produced; runs no backward itself."""
+
+    def __init__(self):
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def __call__(self, loss, optimizer, clip_grad=None, parameters=None):
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+def distill_epoch(model, criterion, loader, optimizer, loss_scaler, max_norm):
+    for samples, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = criterion(model(samples), targets)
+            loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters())  # AMP008
+
+
+def run_distill(model, criterion, loader, optimizer, args):
+    loss_scaler = ClipValueScaler() if args.clip_mode == "value" else ClipNormScaler()
+    distill_epoch(model, criterion, loader, optimizer, loss_scaler, args.clip_grad)
+
+
+def epoch_with_a_scaler_that_may_only_step(model, loader, optimizer, args):
+    loss_scaler = StepOnlyScaler() if args.split_backward else ClipNormScaler()
+    for samples, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(samples, targets)
+            loss_scaler(loss, optimizer)
