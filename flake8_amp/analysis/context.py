@@ -29,8 +29,6 @@ from flake8_amp.analysis.names import (
     chain_top,
     code_frame,
     enclosing_class,
-    forward_path,
-    is_model_class,
     keyword_value,
     last_part,
     method_call,
@@ -245,7 +243,10 @@ class GradContext:
         if not isinstance(function, nodes.FunctionDef) or not isinstance(owner, nodes.ClassDef):
             return False
         if owner not in self._forward_paths:
-            self._forward_paths[owner] = forward_path(owner) if is_model_class(owner) else set()
+            names = self.names
+            self._forward_paths[owner] = (
+                names.forward_path(owner) if names.is_model(owner) else set()
+            )
         return function in self._forward_paths[owner]
 
     def _named_purpose(self, name: str) -> Optional[str]:

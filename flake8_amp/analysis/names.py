@@ -436,6 +436,35 @@ class Names:
                 return None
         return None
 
+    def is_model(self, classdef: nodes.ClassDef) -> bool:
+        """``classdef`` or a class of its MRO is a model class (:func:`is_model_class`): also a
+        subclass of the file's ``CausalSelfAttention`` that only overrides ``_attend``."""
+        return any(
+            is_model_class(entry) if isinstance(entry, nodes.ClassDef)
+            else entry.startswith("torch.nn.")
+            for entry in self.class_mro(classdef) or (classdef,)
+        )
+
+    def forward_path(self, classdef: nodes.ClassDef) -> Set[nodes.FunctionDef]:
+        """The ``forward`` (or ``__call__``) an object of ``classdef`` runs and the methods it
+        calls through ``self`` (``self._attention(q, k, v)``), transitively, each as that
+        object finds it (a base class's ``forward`` calling the subclass's ``_attend``)."""
+        pending = [method for name in FORWARD_METHODS
+                   if (method := self.method_of(classdef, name)) is not None]
+        path: Set[nodes.FunctionDef] = set()
+        while pending:
+            method = pending.pop()
+            if method in path:
+                continue
+            path.add(method)
+            for call in method.nodes_of_class(nodes.Call):
+                name, receiver = method_call(call)
+                if name is not None and is_self(receiver):
+                    called = self.method_of(classdef, name)
+                    if called is not None:
+                        pending.append(called)
+        return path
+
     def call_method(self, classdef: nodes.ClassDef) -> Optional[nodes.FunctionDef]:
         """The method calling an object of ``classdef`` runs: a ``__call__`` of the module's
         classes (a loss object's), else ``forward`` (``nn.Module.__call__`` runs it)."""
@@ -1632,24 +1661,6 @@ def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
 
 #: Methods a call of the model object runs.
 FORWARD_METHODS = frozenset({"forward", "__call__"})
-
-
-def forward_path(classdef: nodes.ClassDef) -> Set[nodes.FunctionDef]:
-    """``forward`` (or ``__call__``) of ``classdef`` and the methods they call through
-    ``self`` (``self._attention(q, k, v)``), transitively."""
-    methods = {method.name: method for method in classdef.mymethods()}
-    pending = [methods[name] for name in FORWARD_METHODS if name in methods]
-    path: Set[nodes.FunctionDef] = set()
-    while pending:
-        method = pending.pop()
-        if method in path:
-            continue
-        path.add(method)
-        for call in method.nodes_of_class(nodes.Call):
-            name, receiver = method_call(call)
-            if name in methods and is_self(receiver):
-                pending.append(methods[name])
-    return path
 
 
 def is_model_class(classdef: nodes.ClassDef) -> bool:

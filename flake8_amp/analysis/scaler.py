@@ -64,7 +64,7 @@ _MAX_RETURN_HOPS = 3
 #: Above this many distinct path states, conditions are forgotten (paths still merge).
 _MAX_STATES = 64
 _AMP_FLAG_WORDS = frozenset(
-    {"amp", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"}
+    {"amp", "apex", "fp16", "half", "mixed", "scaler", "scaling", "autocast", "float16"}
 )
 #: The condition key every amp/scaler flag shares (``use_amp``, ``args.fp16``, ``scaler``).
 AMP_CONDITION = "<amp enabled>"
@@ -83,9 +83,12 @@ def expression_key(expr: nodes.NodeNG) -> Optional[str]:
 
 
 def _is_amp_flag(expr: nodes.NodeNG) -> bool:
-    """``use_amp``, ``args.fp16``, ``self.scaler``, ``cfg.mixed_precision``..."""
-    key = expression_key(expr)
-    last = key.rsplit(".", 1)[-1] if key is not None else ""
+    """``use_amp``, ``args.fp16``, ``self.scaler``, ``cfg.mixed_precision``, ``CFG['apex']``..."""
+    if isinstance(expr, nodes.Subscript) and isinstance(expr.slice, nodes.Const):
+        last = expr.slice.value if isinstance(expr.slice.value, str) else ""
+    else:
+        key = expression_key(expr)
+        last = key.rsplit(".", 1)[-1] if key is not None else ""
     return bool(_AMP_FLAG_WORDS.intersection(name_words(last)))
 
 
@@ -684,10 +687,11 @@ class ScalerAnalysis:
 
     def entry_phase(self, base: ScalerFlow) -> Optional[str]:
         """SCALED when ``base``'s scope is a function handed its scaler as a parameter and
-        every call of it in this module comes right after a scaled backward
-        (``optimizer_step(model, optimizer, scaler, clip)`` after
-        ``scaler.scale(loss).backward()``): what it clips or steps first are scaled
-        gradients, and the scaler to unscale them is at hand."""
+        every call of it in this module may come right after a scaled backward, as a clip
+        there would be judged (``optimizer_step(model, optimizer, scaler, clip)`` after
+        ``scaler.scale(loss).backward()``, also after a loop of accumulation steps that
+        might run no step): what it clips or steps first are scaled gradients, and the
+        scaler to unscale them is at hand."""
         scope = base.scope
         if not isinstance(scope, nodes.FunctionDef):
             return None
@@ -695,13 +699,14 @@ class ScalerAnalysis:
         if not parameters & set(base.scalers):
             return None
         sites = self.names.call_sites(scope)
-        phases: Set[Optional[str]] = set()
         for site in sites:
             caller = code_frame(site)
             if caller in self._building:
                 return None
-            phases |= self._base_flow(caller).phases_before(site)
-        return SCALED if sites and phases == {SCALED} else None
+            phases = self._base_flow(caller).phases_before(site)
+            if SCALED not in phases or not phases <= {SCALED, None}:
+                return None
+        return SCALED if sites else None
 
     def scales_backward(self, call: nodes.Call) -> bool:
         """``call`` calls a function of this module that only runs a scaled backward

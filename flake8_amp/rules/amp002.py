@@ -204,10 +204,18 @@ class LossOutsideAutocast(Check):
             parts = [expr.body, expr.orelse] if isinstance(expr, nodes.IfExp) else expr.elts[:1]
             return any(self._loss_expression(part, depth - 1) for part in parts)
         if isinstance(expr, nodes.Name):
-            values = self.context.names.assigned_values(expr) or []
-            return any(self._loss_expression(value, depth - 1) for value in values)
+            names = self.context.names
+            values = names.assigned_values(expr) or [
+                # ``v`` of ``{k: w[k] * v for k, v in losses.items()}``: what it iterates
+                names.iterated(binding) for binding in names.bindings(expr)
+                if isinstance(binding, nodes.AssignName)
+            ]
+            return any(self._loss_expression(value, depth - 1) for value in values
+                       if value is not None)
         if isinstance(expr, nodes.Dict):  # a dict of losses (DETR's, detectron2's)
             return any(self._loss_expression(value, depth - 1) for _, value in expr.items)
+        if isinstance(expr, nodes.DictComp):
+            return self._loss_expression(expr.value, depth - 1)
         if isinstance(expr, (nodes.ListComp, nodes.GeneratorExp)):
             return self._loss_expression(expr.elt, depth - 1)
         if isinstance(expr, nodes.List):

@@ -908,3 +908,38 @@ def train_with_deep_supervision(model, images, seg, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# A criterion returning a dict comprehension of weighted losses is a loss in evaluation too.
+class WeightedCriterion(nn.Module):
+    def __init__(self, weights):
+        super().__init__()
+        self.ce = nn.CrossEntropyLoss()
+        self.weights = weights
+
+    def forward(self, outputs, targets):
+        losses = {"cls": self.ce(outputs["cls"], targets["cls"])}
+        losses["aux"] = self.ce(outputs["aux"], targets["aux"])
+        return {k: self.weights.get(k, 1.0) * v for k, v in losses.items()}
+
+
+@torch.no_grad()
+def evaluate_multitask(model, criterion: WeightedCriterion, loader):
+    total = 0.0
+    for images, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            outputs = model(images)
+        loss_dict = criterion(outputs, targets)  # AMP002
+        total += sum(v.item() for v in loss_dict.values())
+    return total
+
+
+@torch.no_grad()
+def evaluate_multitask_in_region(model, criterion: WeightedCriterion, loader):
+    total = 0.0
+    for images, targets in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            outputs = model(images)
+            loss_dict = criterion(outputs, targets)
+        total += sum(v.item() for v in loss_dict.values())
+    return total

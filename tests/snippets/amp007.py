@@ -595,3 +595,33 @@ def train_anchor_free(loader, optimizer, scaler):
 def near_far_bins(z_near, z_far, n):
     z_vals, _ = torch.sort(torch.cat([z_near.float(), z_far.float()], dim=-1), dim=-1)
     return torch.cat([z_vals, torch.full_like(z_vals[..., :1], 1e10)], dim=-1)
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def _attend(self, q, k, v):
+        att = q @ k.transpose(-2, -1)
+        return att.softmax(-1) @ v
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self._attend(q, k, v)
+
+
+class PrefixAttention(CausalAttention):
+    """Overrides only what the base class's forward calls: its fills are the forward's."""
+
+    def _attend(self, q, k, v):
+        T = q.size(-2)
+        bias = torch.full((T, T), -1e9, dtype=q.dtype, device=q.device).triu_(1)  # AMP007
+        return ((q @ k.transpose(-2, -1)) + bias).softmax(-1) @ v
+
+
+class FloatPrefixAttention(CausalAttention):
+    def _attend(self, q, k, v):
+        T = q.size(-2)
+        bias = torch.full((T, T), -1e9, dtype=torch.float32, device=q.device).triu_(1)
+        return ((q.float() @ k.float().transpose(-2, -1)) + bias).softmax(-1).to(v.dtype) @ v
