@@ -700,7 +700,7 @@ def _returned(node: nodes.NodeNG, function: nodes.FunctionDef) -> bool:
     if isinstance(statement, nodes.Expr) and statement.value is top:
         target = object_key(chain_root(node, CHAIN_METHODS))
     else:
-        target = object_key(assign_target(top))
+        target = object_key(assign_target(_scaled_by_numbers(top)))
     if not target or "." in target:
         return False
     return any(
@@ -709,6 +709,18 @@ def _returned(node: nodes.NodeNG, function: nodes.FunctionDef) -> bool:
         if ret.value is not None
         for sub in ret.value.nodes_of_class(nodes.Name)
     )
+
+
+def _scaled_by_numbers(expr: nodes.NodeNG) -> nodes.NodeNG:
+    """The arithmetic with Python numbers ``expr`` is part of (``x.half() / 255.0``): the
+    value keeps ``expr``'s dtype."""
+    parent = expr.parent
+    while isinstance(parent, nodes.BinOp):
+        other = parent.right if parent.left is expr else parent.left
+        if not (isinstance(other, nodes.Const) and isinstance(other.value, (int, float))):
+            break
+        expr, parent = parent, parent.parent
+    return expr
 
 
 def _compared(node: nodes.NodeNG, within: nodes.NodeNG) -> bool:

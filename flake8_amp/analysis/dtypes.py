@@ -70,6 +70,7 @@ from flake8_amp.analysis.names import (
     code_frame,
     conditional_in,
     enclosing_class,
+    is_abstract,
     is_self,
     keyword_value,
     last_part,
@@ -995,6 +996,12 @@ class Dtypes:
                 return self._module_call(call, depth)
             return self._torch_function(call, callee, depth)
         function = self.names.local_function(call)
+        if function is not None and is_abstract(function):
+            # ``self.encode(x)`` in a base class whose ``encode`` raises NotImplementedError:
+            # what every subclass's ``encode`` returns, if they agree
+            kinds = {self._followed(override, call, depth)
+                     for override in self.names.overrides(function)}
+            return kinds.pop() if len(kinds) == 1 else None
         if function is not None:
             # what a function of this module returns (``def build(): return Net().half()``)
             return self._followed(function, call, depth)

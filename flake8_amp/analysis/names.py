@@ -256,6 +256,21 @@ class Names:
                 return self.method_of(owner, func.attrname)
         return None
 
+    def overrides(self, method: nodes.FunctionDef) -> List[nodes.FunctionDef]:
+        """The methods that objects of the subclasses of ``method``'s class in this module run
+        in its place (``PatchTST.encode`` for an abstract ``ForecasterBase.encode``)."""
+        owner = method.parent
+        if not isinstance(owner, nodes.ClassDef):
+            return []
+        found: List[nodes.FunctionDef] = []
+        for classdef in self.module_classes:
+            if classdef is owner or owner not in (self.class_mro(classdef) or ()):
+                continue
+            override = self.method_of(classdef, method.name)
+            if override is not None and override is not method and override not in found:
+                found.append(override)
+        return found
+
     def possible_functions(self, call: nodes.Call) -> Set[nodes.FunctionDef]:
         """The functions of this module ``call`` may call: :meth:`local_function`'s, or for
         ``obj.m(...)`` on an object one of several classes of this module may have built
@@ -1661,6 +1676,25 @@ def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
 
 #: Methods a call of the model object runs.
 FORWARD_METHODS = frozenset({"forward", "__call__"})
+
+
+def is_abstract(function: nodes.FunctionDef) -> bool:
+    """A method left to subclasses: its body (past a docstring) only raises
+    ``NotImplementedError`` or is ``pass`` / ``...``."""
+    body = [statement for statement in function.body
+            if not (isinstance(statement, nodes.Expr) and isinstance(statement.value, nodes.Const)
+                    and isinstance(statement.value.value, str))]
+    if len(body) != 1:
+        return not body
+    statement = body[0]
+    if isinstance(statement, nodes.Pass) or (
+            isinstance(statement, nodes.Expr) and isinstance(statement.value, nodes.Const)
+            and statement.value.value is Ellipsis):
+        return True
+    if isinstance(statement, nodes.Raise) and statement.exc is not None:
+        raised = statement.exc.func if isinstance(statement.exc, nodes.Call) else statement.exc
+        return isinstance(raised, nodes.Name) and raised.name == "NotImplementedError"
+    return False
 
 
 def is_model_class(classdef: nodes.ClassDef) -> bool:
