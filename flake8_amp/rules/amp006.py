@@ -8,12 +8,16 @@ between) it steps the same gradients a second time. ``torch.autograd.backward(
 scaler.scale(loss))`` is a scaled backward too. A step whose function runs no backward is
 reported when the code sharing its ``self`` (its class, the bases and the subclasses that
 inherit it, when all are in the module; the module for a function) scales the backward
-elsewhere and never steps through the scaler, unscales it or hands it on. ``scaler.step``
+elsewhere and never steps through the scaler, unscales it or hands it on; or, right after
+its own ``scaler.step`` of another optimizer, when that code scales the backward and runs
+no plain one. ``scaler.step``
 needs an update later in its function, in a method sharing ``self`` (``self.<scaler>``),
 or in its caller (a scaler parameter).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from astroid import nodes
 
@@ -72,7 +76,7 @@ class StepBypassesScaler(Check):
             "(inf/NaN steps are not skipped)",
         )
 
-    def _scaled_elsewhere(self, node: nodes.Call, key, flow: ScalerFlow) -> bool:
+    def _scaled_elsewhere(self, node: nodes.Call, key: Optional[str], flow: ScalerFlow) -> bool:
         """The backward ran in another function and scaled these gradients; also when this
         function steps another optimizer through the scaler first (``scaler.step(opt);
         scaler.update(); weight_optimizer.step()``: both hold that backward's gradients)."""
