@@ -29,8 +29,9 @@ from flake8_amp.analysis.names import (
     chain_root,
     call_argument,
     last_part,
-    method_call,
+    assigned_value,
     bound_value,
+    method_call,
     returned_values,
     simple_name,
 )
@@ -206,12 +207,10 @@ class LossOutsideAutocast(Check):
         if isinstance(expr, nodes.Name):
             names = self.context.names
             values = names.assigned_values(expr) or [
-                # ``v`` of ``{k: w[k] * v for k, v in losses.items()}``: what it iterates
-                names.iterated(binding) for binding in names.bindings(expr)
-                if isinstance(binding, nodes.AssignName)
+                term for binding in names.reaching_bindings(expr)
+                for term in _bound_terms(binding, names)
             ]
-            return any(self._loss_expression(value, depth - 1) for value in values
-                       if value is not None)
+            return any(self._loss_expression(value, depth - 1) for value in values)
         if isinstance(expr, nodes.Dict):  # a dict of losses (DETR's, detectron2's)
             return any(self._loss_expression(value, depth - 1) for _, value in expr.items)
         if isinstance(expr, nodes.DictComp):
@@ -406,6 +405,20 @@ def _names(expr: Optional[nodes.NodeNG], name: str) -> bool:
     while isinstance(expr, nodes.Subscript) and not _is_string(expr.slice):
         expr = expr.value
     return isinstance(expr, nodes.Name) and expr.name == name
+
+
+def _bound_terms(binding: nodes.NodeNG, names) -> List[nodes.NodeNG]:
+    """What a binding of a name puts in it, as loss terms: the value assigned, the term
+    added (``loss += torch.mean(...)`` in HiFi-GAN's ``feature_loss``), or for a loop
+    variable what it iterates (``v`` of ``{k: w[k] * v for k, v in losses.items()}``)."""
+    parent = binding.parent
+    if isinstance(parent, nodes.AugAssign) and parent.target is binding:
+        return [parent.value]
+    value = assigned_value(binding)
+    if value is not None:
+        return [value]
+    iterated = names.iterated(binding) if isinstance(binding, nodes.AssignName) else None
+    return [iterated] if iterated is not None else []
 
 
 def _parameters(function: nodes.FunctionDef) -> List[nodes.AssignName]:

@@ -943,3 +943,31 @@ def evaluate_multitask_in_region(model, criterion: WeightedCriterion, loader):
             loss_dict = criterion(outputs, targets)
         total += sum(v.item() for v in loss_dict.values())
     return total
+
+
+# Losses summed term by term (HiFi-GAN's feature and generator losses).
+def feature_matching_loss(fmap_r, fmap_g):
+    loss = 0
+    for dr, dg in zip(fmap_r, fmap_g):
+        for rl, gl in zip(dr, dg):
+            loss += torch.mean(torch.abs(rl - gl))
+    return loss * 2
+
+
+def running_count(values):
+    count = 0
+    for value in values:
+        count += len(value)
+    return count
+
+
+def train_vocoder_generator(mpd, generator, mel, y, optimizer, scaler):
+    with torch.autocast("cuda", dtype=torch.float16):
+        y_hat = generator(mel)
+        _, fmap_r = mpd(y)
+        _, fmap_g = mpd(y_hat)
+    loss = feature_matching_loss(fmap_r, fmap_g)  # AMP002
+    loss = loss + running_count(fmap_g) * 0.0
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
