@@ -453,7 +453,7 @@ class Names:
 
     def is_model(self, classdef: nodes.ClassDef) -> bool:
         """``classdef`` or a class of its MRO is a model class (:func:`is_model_class`): also a
-        subclass of the file's ``CausalSelfAttention`` that only overrides ``_attend``."""
+        subclass of a model class of the file that only overrides a helper of its forward."""
         return any(
             is_model_class(entry) if isinstance(entry, nodes.ClassDef)
             else entry.startswith("torch.nn.")
@@ -1678,23 +1678,23 @@ def unpacked_value(binding: nodes.NodeNG) -> Optional[Tuple[nodes.NodeNG, int]]:
 FORWARD_METHODS = frozenset({"forward", "__call__"})
 
 
+def is_inert(statement: nodes.NodeNG) -> bool:
+    """A statement that does nothing: ``pass``, a docstring, ``...``."""
+    return isinstance(statement, nodes.Pass) or (
+        isinstance(statement, nodes.Expr) and isinstance(statement.value, nodes.Const))
+
+
 def is_abstract(function: nodes.FunctionDef) -> bool:
-    """A method left to subclasses: its body (past a docstring) only raises
-    ``NotImplementedError`` or is ``pass`` / ``...``."""
-    body = [statement for statement in function.body
-            if not (isinstance(statement, nodes.Expr) and isinstance(statement.value, nodes.Const)
-                    and isinstance(statement.value.value, str))]
-    if len(body) != 1:
-        return not body
-    statement = body[0]
-    if isinstance(statement, nodes.Pass) or (
-            isinstance(statement, nodes.Expr) and isinstance(statement.value, nodes.Const)
-            and statement.value.value is Ellipsis):
+    """A method left to subclasses: besides inert statements (:func:`is_inert`) its body at
+    most raises ``NotImplementedError``."""
+    body = [statement for statement in function.body if not is_inert(statement)]
+    if not body:
         return True
-    if isinstance(statement, nodes.Raise) and statement.exc is not None:
-        raised = statement.exc.func if isinstance(statement.exc, nodes.Call) else statement.exc
-        return isinstance(raised, nodes.Name) and raised.name == "NotImplementedError"
-    return False
+    statement = body[0]
+    if len(body) != 1 or not isinstance(statement, nodes.Raise) or statement.exc is None:
+        return False
+    raised = statement.exc.func if isinstance(statement.exc, nodes.Call) else statement.exc
+    return isinstance(raised, nodes.Name) and raised.name == "NotImplementedError"
 
 
 def is_model_class(classdef: nodes.ClassDef) -> bool:

@@ -29,6 +29,7 @@ from flake8_amp.analysis.names import (
     Callee,
     CutCache,
     code_frame,
+    is_inert,
     keyword_value,
     last_part,
     returned_values,
@@ -553,9 +554,7 @@ def _does_nothing(method: Optional[nodes.FunctionDef]) -> bool:
     if method is None:
         return False
     for statement in method.body:
-        if isinstance(statement, nodes.Pass):
-            continue
-        if isinstance(statement, nodes.Expr) and isinstance(statement.value, nodes.Const):
+        if is_inert(statement):
             continue
         if isinstance(statement, nodes.Return) and (
             statement.value is None

@@ -818,11 +818,11 @@ class ScalerAnalysis:
                 for construction in scaler.constructions
             )
         ]
-        stepping = [flow.scope for flow in flows if flow.scaler_steps]
         if after_own_step:
             # scaled or unscaled (``unscale_`` checks nothing), unless the optimizer may step
             # gradients of a plain backward (a GAN's discriminator)
             return bool(scaling) and not any(_plain_backwards(f, self.names) for f in flows)
+        stepping = [flow.scope for flow in flows if flow.scaler_steps]
         if stepping and not (clip and self._called_before(function, stepping)):
             return False
         return (
