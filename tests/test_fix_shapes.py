@@ -481,7 +481,97 @@ CASES: Dict[str, Case] = {
                         self.scaler.update()
         """,
     ),
+    "amp005_clip_in_a_helper_and_fsdp": case(
+        "AMP005",
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        class Trainer:
+            def __init__(self, model, optimizer):
+                self.model, self.optimizer = model, optimizer
+                self.scaler = torch.amp.GradScaler("cuda")
+
+            def _clip_grads(self):
+                return torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+
+            def train_step(self, batch):
+                with torch.autocast("cuda"):
+                    loss = self.model(batch)
+                self.scaler.scale(loss).backward()
+                grad_norm = self._clip_grads()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                return grad_norm
+
+
+        def sharded_step(module, batch, optimizer, scaler):
+            model = FSDP(module)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(batch)
+            scaler.scale(loss).backward()
+            model.clip_grad_norm_(1.0)
+            scaler.step(optimizer)
+            scaler.update()
+        """,
+        """\
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+        class Trainer:
+            def __init__(self, model, optimizer):
+                self.model, self.optimizer = model, optimizer
+                self.scaler = torch.amp.GradScaler("cuda")
+
+            def _clip_grads(self):
+                return torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+
+            def train_step(self, batch):
+                with torch.autocast("cuda"):
+                    loss = self.model(batch)
+                self.scaler.scale(loss).backward()
+                self.scaler.unscale_(self.optimizer)
+                grad_norm = self._clip_grads()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                return grad_norm
+
+
+        def sharded_step(module, batch, optimizer, scaler):
+            model = FSDP(module)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(batch)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            model.clip_grad_norm_(1.0)
+            scaler.step(optimizer)
+            scaler.update()
+        """,
+    ),
     # ------------------------------------------------------------- AMP005 look-alikes
+    "amp005_clipping_helper_in_a_condition": case(
+        "AMP005",
+        """\
+        import torch
+
+
+        def clip_and_check(model):
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            return torch.isfinite(norm)
+
+
+        def step(model, batch, optimizer, scaler):
+            with torch.autocast("cuda"):
+                loss = model(batch)
+            scaler.scale(loss).backward()
+            if clip_and_check(model):
+                scaler.step(optimizer)
+            scaler.update()
+        """,
+        reported=True,
+    ),
     "amp005_two_scalers": case(
         "AMP005",
         """\

@@ -1,4 +1,5 @@
-"""AMP005 fix: ``scaler.unscale_(optimizer)`` right before the clip that needs it.
+"""AMP005 fix: ``scaler.unscale_(optimizer)`` right before the clip that needs it (the clip
+function, FSDP's ``model.clip_grad_norm_()``, or the call of a helper of the file that clips).
 
 Inserted only where the right call is certain, from the linter's scaler flow of the
 function: it uses one GradScaler, which steps one optimizer; every path to the clip ran
@@ -26,7 +27,7 @@ from flake8_amp.analysis.scaler import (
 )
 from flake8_amp.engine import Finding
 from flake8_amp.fix.base import Insertion, Plan, SourceFile
-from flake8_amp.rules.amp005 import CLIP_FUNCTIONS
+from flake8_amp.rules.amp005 import clip_kind
 
 #: Statements that may hold the clip as their whole value.
 CLIP_STATEMENTS = (cst.Expr, cst.Assign, cst.AnnAssign)
@@ -58,11 +59,10 @@ def plan(source: SourceFile, findings: Sequence[Finding]) -> Plan:
 def _clip(source: SourceFile, finding: Finding) -> Union[Tuple, str]:
     """``(statement, block, scaler, optimizer, step call)`` for the reported clip, or why
     the fix is not certain."""
-    names = source.names
     clips = [
         call
         for call in source.astroid_at(finding, (nodes.Call,))
-        if names.qualname(call.func) in CLIP_FUNCTIONS
+        if clip_kind(source.context, call) is not None
     ]
     if len(clips) != 1:
         return "the reported clip could not be located in the source"

@@ -45,39 +45,64 @@ class ClipBeforeUnscale(Check):
         return super().applies(source, options) and ".scale(" in source
 
     def visit_call(self, node: nodes.Call) -> None:
-        clip = self._clip(node)
+        clip = clip_kind(self.context, node)
         if clip is None:
             return
         analysis = scaler_analysis(self.context)
         flow = analysis.flow(node)
         phases = flow.phases_before(node)
-        scaled = SCALED in phases and not phases & {UNSCALED, HELPED}
+        scaled = _after_own_scaled_backward(flow, node)
         if not scaled and phases <= {None}:
-            scaled = flow.scaled_on_entry(node) or analysis.scaled_elsewhere(node, clip=True)
+            scaled = flow.scaled_on_entry(node) or (
+                analysis.scaled_elsewhere(node, clip=True) and not self._reported_at_calls(node)
+            )
         if scaled and not flow.in_no_scaler_arm(node):
             self.report(node, func=clip)
 
-    def _clip(self, node: nodes.Call) -> Optional[str]:
-        """How ``node`` clips gradients, if it does: a ``torch.nn.utils`` clip function,
-        ``model.clip_grad_norm_()`` of an FSDP model, or a function of this module that
-        clips and touches no scaler (``grad_norm = self._clip()``)."""
-        names = self.context.names
-        method, receiver = method_call(node)
-        if method and not method.startswith("clip_grad") and names.local_function(node) is None:
-            return None  # cheap test before name resolution (names may be import aliases)
-        qualname = names.qualname(node.func)
-        if qualname in CLIP_FUNCTIONS:
-            return last_part(qualname)
-        if method == "clip_grad_norm_" and names.instance_class(receiver) in CLIPPING_MODELS:
-            return f"{receiver.as_string()}.clip_grad_norm_"
-        helper = names.local_function(node)
+    def _reported_at_calls(self, node: nodes.Call) -> bool:
+        """``node`` clips inside a helper that touches no scaler, and every call of that helper
+        follows its caller's own scaled backward: each is reported there, where ``unscale_``
+        goes (a ``ClipMixin.clip_gradients()`` called from each trainer's step)."""
+        function = node.scope()
+        if not isinstance(function, nodes.FunctionDef):
+            return False
+        sites = self.context.names.call_sites(function)
         analysis = scaler_analysis(self.context)
-        # a helper that scales its own backward has its clip judged inside it
-        if (
-            helper is not None
-            and not analysis.is_scaler_helper(node)
-            and not analysis.flow(helper).scaled_backwards
-        ):
-            if any(names.qualname(call.func) in CLIP_FUNCTIONS for call in calls_in_order(helper)):
-                return f"{node.func.as_string()}()"
-        return None
+        return bool(sites) and all(
+            clip_kind(self.context, site) is not None
+            and _after_own_scaled_backward(analysis.flow(site), site)
+            for site in sites
+        )
+
+
+def _after_own_scaled_backward(flow, node: nodes.Call) -> bool:
+    """A scaled backward of ``node``'s own function precedes it, and no path unscaled the
+    gradients or handed the scaler on since."""
+    phases = flow.phases_before(node)
+    return SCALED in phases and not phases & {UNSCALED, HELPED}
+
+
+def clip_kind(context, node: nodes.Call) -> Optional[str]:
+    """How ``node`` clips gradients, if it does: a ``torch.nn.utils`` clip function,
+    ``model.clip_grad_norm_()`` of an FSDP model, or a function of this module that
+    clips and touches no scaler (``grad_norm = self._clip()``)."""
+    names = context.names
+    method, receiver = method_call(node)
+    if method and not method.startswith("clip_grad") and names.local_function(node) is None:
+        return None  # cheap test before name resolution (names may be import aliases)
+    qualname = names.qualname(node.func)
+    if qualname in CLIP_FUNCTIONS:
+        return last_part(qualname)
+    if method == "clip_grad_norm_" and names.instance_class(receiver) in CLIPPING_MODELS:
+        return f"{receiver.as_string()}.clip_grad_norm_"
+    helper = names.local_function(node)
+    analysis = scaler_analysis(context)
+    # a helper that scales its own backward has its clip judged inside it
+    if (
+        helper is not None
+        and not analysis.is_scaler_helper(node)
+        and not analysis.flow(helper).scaled_backwards
+    ):
+        if any(names.qualname(call.func) in CLIP_FUNCTIONS for call in calls_in_order(helper)):
+            return f"{node.func.as_string()}()"
+    return None

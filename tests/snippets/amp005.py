@@ -1105,3 +1105,39 @@ class FlagChosenWrapperTrainer:
         grad_norm = self.optimizer.clip_grad_norm(1.0)
         self.optimizer.step()
         return grad_norm
+
+
+# ---- a clipping mixin whose callers each scale their own backward: reported at the calls ----
+
+
+class ClipGradMixin:
+    clip_grad = None
+
+    def clip_gradients(self):
+        if not self.clip_grad:
+            return None
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+
+
+class EngineSteppingPlainly(ClipGradMixin):
+    def __init__(self, model, optimizer, clip_grad):
+        self.model, self.optimizer, self.clip_grad = model, optimizer, clip_grad
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def run_iter(self, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = self.model(batch)
+        self.scaler.scale(loss).backward()
+        grad_norm = self.clip_gradients()  # AMP005
+        self.optimizer.step()  # AMP006
+        return grad_norm
+
+
+class SubEngineSteppingPlainly(EngineSteppingPlainly):
+    def run_iter(self, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = self.model(batch) * 2
+        self.scaler.scale(loss).backward()
+        stats = {"grad_norm": self.clip_gradients()}  # AMP005
+        self.optimizer.step()  # AMP006
+        return stats
