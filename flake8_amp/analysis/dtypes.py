@@ -757,7 +757,7 @@ class Dtypes:
             items = self.names.container_items(construction)
             if items is None and self._torch_layer(construction):
                 continue  # the other arm of ``Sequential(conv, norm) if ... else nn.Identity()``
-            if items is None or any(isinstance(a, nodes.Starred) for a in construction.args):
+            if items is None:
                 return None
             kind = self._in_frames(self._frames, site.args[0], depth)
             for item in items:
@@ -910,7 +910,7 @@ class Dtypes:
             return (kinds - {INT}).pop()
         return FP32 if kinds == {FP16, BF16} else None
 
-    def is_number(self, expr: nodes.NodeNG, _depth: int = 4) -> bool:
+    def is_number(self, expr: nodes.NodeNG, _depth: int = 8) -> bool:
         """A Python number (or 0-dim tensor of one): a literal, a name or ``self.<x>`` bound
         only to numbers, a parameter defaulting to one (``temperature=0.05``), sizes
         (``B, N, C = x.shape``, ``x.size(0)``, ``len()``), ``math.*``, arithmetic of these."""

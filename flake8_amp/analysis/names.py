@@ -839,6 +839,9 @@ class Names:
             registered = self._registered(expr, depth)
             if registered is not None:  # ``MODELS[cfg.arch](cfg)``
                 return registered
+            chosen = self._chosen(expr, depth)
+            if chosen is not None:  # ``head_cls = ArcFace if arc else CosFace; head_cls(512)``
+                return chosen
             # ``model = build_model(args)``, ``self.loss = self._build_loss()``: what a
             # function or method of this module returns; a parameter it returns is what this
             # call passes (``init_weights(UnetGenerator())`` returning ``net``)
@@ -892,8 +895,32 @@ class Names:
         registry = assigned_value(bindings[0]) if len(bindings) == 1 else None
         if not isinstance(registry, nodes.Dict) or not registry.items:
             return None
+        return self._callables_build([entry for _, entry in registry.items], call, depth)
+
+    def _chosen(self, call: nodes.Call, depth: int) -> Optional[List[nodes.NodeNG]]:
+        """What calling a name bound to a class or builder of this module, or to a choice of
+        them, builds (``head_cls = ArcMarginProduct if arc else CosFaceHead``, then
+        ``head_cls(512, n)``); None for anything else."""
+        func = call.func
+        if not isinstance(func, nodes.Name):
+            return None
+        choices: List[nodes.NodeNG] = []
+        for binding in self.reaching_bindings(func) or [None]:
+            value = assigned_value(binding) if isinstance(binding, nodes.AssignName) else None
+            if value is None:
+                return None
+            arms = [value.body, value.orelse] if isinstance(value, nodes.IfExp) else [value]
+            choices.extend(arms)
+        return self._callables_build(choices, call, depth)
+
+    def _callables_build(
+        self, callables: List[nodes.NodeNG], call: nodes.Call, depth: int
+    ) -> Optional[List[nodes.NodeNG]]:
+        """What ``call`` builds when it calls one of ``callables``: a class of this module, a
+        ``torch.nn`` class (``call`` itself: a module from elsewhere), or the constructions a
+        builder function or lambda of this module returns; None if one is anything else."""
         built: List[nodes.NodeNG] = []
-        for _, entry in registry.items:
+        for entry in callables:
             classdef = self._class_named(entry)
             if classdef is not None:
                 built.append(classdef)

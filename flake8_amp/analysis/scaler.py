@@ -19,6 +19,7 @@ is the no-scaler path.
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from dataclasses import dataclass, replace
 from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
@@ -49,6 +50,10 @@ GRAD_SCALERS = frozenset(
         "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
     }
 )
+
+#: Vendor backends' scalers, ``torch.<backend>.amp.GradScaler`` (``torch.npu.amp`` of torch_npu,
+#: ``torch.mlu.amp``, ``torch.xpu.amp``): subclasses of torch's, imported in a vendor dispatch.
+_BACKEND_SCALER = re.compile(r"torch\.\w+\.amp\.GradScaler")
 
 AUTOGRAD_BACKWARD = frozenset({"torch.autograd.backward"})
 
@@ -158,6 +163,10 @@ class Scaler:
     def enabled_constructions(self) -> Tuple[nodes.Call, ...]:
         """The constructions built enabled (no ``enabled=``, or ``enabled=True``)."""
         return tuple(call for call in self.constructions if _literal_enabled(call) is True)
+
+
+def _is_scaler_class(qualname: str) -> bool:
+    return qualname in GRAD_SCALERS or _BACKEND_SCALER.fullmatch(qualname) is not None
 
 
 def _literal_enabled(call: nodes.Call) -> Optional[bool]:
@@ -671,7 +680,7 @@ class ScalerAnalysis:
         function of this module it calls returns, either arm of a conditional expression
         (``GradScaler("cuda") if args.amp else None``) and what a name holds."""
         if isinstance(value, nodes.Call):
-            if self.names.callee_qualname(value) in GRAD_SCALERS:
+            if self.builds_scaler(value):
                 return [value]
             builder = self.names.local_function(value)
             if builder is None or hops >= _MAX_PASSING_HOPS:
@@ -756,7 +765,7 @@ class ScalerAnalysis:
         return [
             call
             for call in self.names.module_calls
-            if self._builds_scaler(call) and _literal_enabled(call) is not False
+            if self.builds_scaler(call) and _literal_enabled(call) is not False
         ]
 
     def never_unscaled(self, key: str, scope: nodes.NodeNG) -> bool:
@@ -859,9 +868,17 @@ class ScalerAnalysis:
             return [self.context.module]
         return self.names.methods_sharing_self(code_frame(scope))
 
-    def _builds_scaler(self, call: nodes.Call) -> bool:
+    def builds_scaler(self, call: nodes.Call) -> bool:
+        """``call`` builds a GradScaler: torch's, FSDP's, a vendor backend's, also through a
+        name each of whose imports gives one (``try: from torch.amp import GradScaler``
+        ``except ImportError: from torch.cuda.amp import GradScaler``, a vendor dispatch)."""
         callee = self.names.callee(call)
-        return callee is not None and not callee.instance and callee.qualname in GRAD_SCALERS
+        if callee is not None:
+            return not callee.instance and _is_scaler_class(callee.qualname)
+        if not isinstance(call.func, nodes.Name):
+            return False
+        possible = self.names.possible_qualnames(call.func)
+        return len(possible) > 1 and all(q is not None and _is_scaler_class(q) for q in possible)
 
     def updated_elsewhere(self, scaler: nodes.NodeNG) -> bool:
         """The scaler comes from outside the function and is updated there: ``self.<scaler>``
