@@ -15,9 +15,11 @@ every step through the entry points (``entry_points.py``), the optimizer hooks a
 GradScaler methods (``monitors/scaler.py``).
 
 Readings: device values (the loss, gradient statistics, the loss scale, per-op peaks) reach the
-host through the guard's ``readings`` (``readings.py``): copied without a host sync at the optimizer
-step pre-hook and at the step end, judged once the copy is known complete (on the CPU at once,
-before the optimizer applies the step; on a GPU usually a step later), and flushed at exit. A
+host through the guard's ``readings`` (``readings.py``): copied without a host sync once per step,
+at the optimizer step pre-hook (what comes after it, the GradScaler's update, rides with the next
+step's copy; a step with no optimizer step copies at its end), judged once the copy is known
+complete (on the CPU at once, before the optimizer applies the step; on a GPU usually a step
+later), and flushed at exit. A
 judge that finds a failing step has it replayed right then (``request_replay``, ``replay.py``).
 
 Threads: the mode is per thread, so only ops of the thread that entered the guard are
@@ -177,8 +179,12 @@ class Guard(Component):
         #: The record of the step in progress, filled by the monitors (and their readings' judges).
         self.step_record: Dict[str, Any] = {"step": 0}
         #: Called as ``listener(step, record)`` once a step's record is complete: when its
-        #: readings are judged (on the CPU at the step end; on a GPU usually a step later).
+        #: readings are judged (on the CPU at the next step's optimizer step, where its
+        #: GradScaler update is read; on a GPU usually a step later).
         self.step_listeners: List[StepListener] = []
+        #: Called as ``listener(event)`` for each event this guard records (its own and those of
+        #: the guards nested in it).
+        self.event_listeners: List[Callable[[Event], None]] = []
         #: Deferred device readings: the one path from device values to host numbers.
         self.readings = Readings()
         #: True while a guard nested inside this one (same thread) does the checking.
@@ -647,7 +653,7 @@ class Guard(Component):
         step, record = self.step_index, self.step_record
         self.containment.notify(self._step_ends, step, record, default=self)
         readings = self.readings
-        readings.commit()
+        readings.end_step()
         readings.after(functools.partial(self._step_judged, step, record))
         self.tracker.release_frames()  # the step's module calls are over: their inputs may go
         self.step_index = readings.step = step + 1
@@ -683,6 +689,7 @@ class Guard(Component):
         group = self.report.add(event)
         if self._events_log is not None:
             self.containment.call(self._events_log, self._events_log.write, event, group)
+        self.containment.notify(self.event_listeners, event, default=self)
 
     def _apply_policy(self, event: Event) -> None:
         failure = event.code == GUARD_FAILURE

@@ -15,8 +15,8 @@ Schema (one line per step, in step order)::
 fraction of the nonzero values that flush to zero in fp16 at the loss scale, AMP106's measure) is
 present on steps where per-layer statistics were collected: every ``Thresholds.metrics_every``
 steps that were not skipped. A step's line is written once its device values are read
-(``readings.py``): at the step end on the CPU, usually a step later on a GPU, and at the latest
-when the guard exits.
+(``readings.py``): at the next step's optimizer step on the CPU, usually a step later on a GPU,
+and at the latest when the guard exits.
 """
 from __future__ import annotations
 

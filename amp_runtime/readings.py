@@ -4,15 +4,19 @@ A monitor never reads a tensor itself (on a GPU every ``.item()``, ``.tolist()``
 a training step is a host sync). It ``submit``s small tensors computed on the device (the loss,
 gradient norms, the GradScaler's state, AMP106's counts, per-op peaks while tracing) together
 with a judge (through ``Monitor.submit``, which runs the judge contained as that monitor's
-code: a judge that fails switches its monitor off, ``containment.py``). At a commit point (the
-optimizer step pre-hook, the step end) everything submitted is packed into one buffer per
-device and copied to the host with ``non_blocking=True`` (into
-pinned memory where the source is on an accelerator), and an event recorded behind the copy.
+code: a judge that fails switches its monitor off, ``containment.py``). At a commit point
+everything submitted is packed into one buffer per device and copied to the host with
+``non_blocking=True`` (into pinned memory where the source is on an accelerator), and an event
+recorded behind the copy. A training step has one commit point: the optimizer step pre-hook.
+What the step submits after it (the GradScaler's update, the step's loss for metrics.jsonl)
+rides with the next step's commit; a step with no optimizer step commits at its end
+(``end_step``). So a steady step starts one copy in every precision.
 ``poll`` then judges, in submission order, every batch whose copy is known complete — the
 event's ``query()`` never waits — and calls each judge with the values and the step they were
 submitted in, so events carry the step in which the problem happened. On the CPU a copy is
-complete at once: a step's readings are judged at the commit, before the optimizer applies the
-step. On a GPU they are judged when the device has caught up, typically a step later.
+complete at once: what a step submitted before its optimizer step is judged at the commit,
+before the optimizer applies the step, and the rest at the next step's. On a GPU they are
+judged when the device has caught up, typically a step later.
 ``flush`` waits for what is left, once: at guard exit and before the pytest plugin judges a test.
 ``read_now`` reads at once, waiting: only for the replay of a failing step (``replay.py``), which
 runs once per anomaly episode and must judge its own trace before the optimizer goes on.
@@ -62,8 +66,9 @@ class _Batch:
         self.copies: List[Tuple[torch.Tensor, Optional[torch.Event]]] = copies
         #: ``(judge, step, spans)``, a span being ``(copy index, start, length)``.
         self.entries: List[Tuple[Judge, int, List[Tuple[int, int, int]]]] = entries
-        #: Called once every entry has been judged (``Readings.after``).
-        self.after: List[Callable[[], None]] = []
+        #: ``(n, callback)``: called once the first ``n`` entries have been judged
+        #: (``Readings.after``), in that order.
+        self.after: List[Tuple[int, Callable[[], None]]] = []
 
 
 class Readings:
@@ -76,7 +81,12 @@ class Readings:
         #: Called at the start of each commit; they may ``submit`` what they hold (per-op traces).
         self.collectors: List[Callable[[], None]] = []
         self._pending: List[Tuple[Judge, int, Sequence[torch.Tensor]]] = []
+        #: ``after`` callbacks waiting for the pending submissions' commit, each with the
+        #: number of submissions it follows.
+        self._pending_after: List[Tuple[int, Callable[[], None]]] = []
         self._in_flight: Deque[_Batch] = deque()
+        #: Whether the current step has committed (its optimizer step pre-hook ran).
+        self._committed_in_step = False
 
     def submit(self, tensors: Sequence[torch.Tensor], judge: Judge) -> None:
         """Judge ``tensors`` (small, floating point, any devices) once they reach the host.
@@ -91,16 +101,28 @@ class Readings:
 
     def commit(self) -> None:
         """Start the copy of everything submitted: one buffer and one copy per device."""
-        for collect in self.collectors:
-            collect()
+        self._collect()
+        self._committed_in_step = True
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        self._in_flight.append(self._copy(pending))
+        batch = self._copy(pending)
+        batch.after, self._pending_after = self._pending_after, []
+        self._in_flight.append(batch)
         if len(self._in_flight) > MAX_IN_FLIGHT:
             oldest = self._in_flight.popleft()
             self._wait(oldest)
             self._read(oldest)
+
+    def end_step(self) -> None:
+        """The step ends: a step that committed (at its optimizer step) leaves what it submitted
+        since for the next step's commit, so a step costs one copy; one that did not commits
+        now, so nothing waits longer than a step."""
+        if self._committed_in_step:
+            self._collect()  # the ops traced since belong to this step
+        else:
+            self.commit()
+        self._committed_in_step = False
 
     def read_now(self, tensors: Sequence[torch.Tensor]) -> List[float]:
         """The values of ``tensors``, waiting for the device if need be: for a path that is rare
@@ -131,18 +153,27 @@ class Readings:
             self._read(self._in_flight.popleft())
 
     def after(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once everything committed so far has been judged."""
-        if self._in_flight:
-            self._in_flight[-1].after.append(callback)
+        """Call ``callback`` once everything submitted so far has been judged, before what is
+        submitted later (the next step's readings, copied with these) is."""
+        if self._pending:
+            self._pending_after.append((len(self._pending), callback))
+        elif self._in_flight:
+            newest = self._in_flight[-1]
+            newest.after.append((len(newest.entries), callback))
         else:
             callback()
 
     def clear(self) -> None:
         """Forget everything not judged yet (the guard is leaving by an exception)."""
         self._pending.clear()
+        self._pending_after.clear()
         self._in_flight.clear()
 
     # -- internals ----------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        for collect in self.collectors:
+            collect()
 
     def _copy(self, pending: List[Tuple[Judge, int, Sequence[torch.Tensor]]]) -> _Batch:
         """Pack ``pending``'s tensors into one buffer per device and start their copies."""
@@ -202,7 +233,9 @@ class Readings:
         self.counts.reads += 1
         values = [host.tolist() for host, _ in batch.copies]
         error = None
-        for judge, step, spans in batch.entries:
+        callbacks = iter(batch.after)
+        due = next(callbacks, None)
+        for judged, (judge, step, spans) in enumerate(batch.entries, 1):
             if len(spans) == 1:  # the usual case: all on one device
                 slot, start, length = spans[0]
                 read = values[slot][start:start + length]
@@ -213,7 +246,11 @@ class Readings:
                 judge(read, step)
             except Exception as err:  # the first one is raised once the batch is done
                 error = error or err
-        for callback in batch.after:
-            callback()
+            while due is not None and due[0] <= judged:
+                due[1]()
+                due = next(callbacks, None)
+        while due is not None:
+            due[1]()
+            due = next(callbacks, None)
         if error is not None:
             raise error

@@ -11,7 +11,8 @@ every weight), goes unexplained. Instead, the step is re-run:
   Each grad-enabled call keeps, by reference, its inputs, the RNG state (CPU, and the current
   CUDA device's), the autocast state and the tensor versions of its inputs; nothing is copied.
   A step's calls are kept until every reading of that step has been judged (the guard's step
-  listeners): on the CPU until the step ends, on a GPU as long as its readings are in flight,
+  listeners): on the CPU until the next step's optimizer step (the step's GradScaler update is
+  read with that step's copy), on a GPU as long as its readings are in flight,
   usually a step longer.
 * Request. The judges of the step's readings (``readings.py``), which know the step, call
   ``guard.request_replay(code, step)``: a non-finite loss at backward (AMP112), non-finite

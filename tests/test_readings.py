@@ -85,11 +85,12 @@ def train(guard, steps, dtype=torch.float16, nan_at=None):
     return per_step
 
 
-@pytest.mark.parametrize("dtype, commit_points", [(torch.float16, 2), (torch.bfloat16, 1)])
-def test_a_steady_step_copies_once_per_commit_point_and_never_waits(dtype, commit_points):
-    """One copy at the optimizer step (the loss, the gradient statistics, the trace) and, with a
-    GradScaler, one at its update: on the CPU each is read at once, and the host never waits.
-    Per-op tracing adds no copy: its peaks go into the same buffers."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_steady_step_copies_once_and_never_waits(dtype):
+    """One copy per step, at the optimizer step: the loss, the gradient statistics, the trace,
+    and the previous step's GradScaler update, which rides with it. On the CPU it is read at
+    once, and the host never waits. Per-op tracing adds no copy: its peaks go into the same
+    buffers."""
     counts = {}
     for trace in ("off", "auto", "always"):
         with amp_runtime.guard(policy="record", trace=trace) as g:
@@ -97,7 +98,7 @@ def test_a_steady_step_copies_once_per_commit_point_and_never_waits(dtype, commi
         counts[trace] = per_step
         assert g.report.events == [] and g.readings.counts.waits == 0
         for step, row in enumerate(per_step):
-            assert row["copies"] == commit_points, (trace, step, row)
+            assert row["copies"] == 1, (trace, step, row)
             assert row["reads"] == row["copies"] and row["waits"] == 0, (trace, step, row)
     assert counts["always"] == counts["auto"] == counts["off"]
 
@@ -110,20 +111,21 @@ def test_steps_where_nothing_is_due_read_nothing_and_the_exit_waits_once():
     with g:
         per_step = train(g, 20, nan_at=12)
         assert all(row["reads"] == row["waits"] == row["events"] == 0 for row in per_step)
-        copies = g.readings.counts.copies
-    assert g.readings.counts.waits == 1 and g.readings.counts.reads == copies
+    assert g.readings.counts.waits == 1
+    assert g.readings.counts.reads == g.readings.counts.copies == 21  # the exit commits the last
     assert [(e.code, e.step) for e in g.report] == [("AMP112", 12)]
 
 
 def test_readings_judged_steps_later_still_carry_their_step(tmp_path):
-    """Copies arriving three commit points late (a step and a half): the NaN loss of step 5 is
-    reported during step 7, as step 5's; the per-step records reach metrics.jsonl in step order,
-    each as complete as on the CPU, and the host never waits until the exit."""
+    """Copies arriving three commit points (three steps) late: the NaN loss of step 5, which the
+    GradScaler skips (no optimizer step: copied at the step's end), is reported during step 8,
+    as step 5's; the per-step records reach metrics.jsonl in step order, each as complete as on
+    the CPU, and the host never waits until the exit."""
     g = amp_runtime.guard(policy="record", log_dir=tmp_path)
     g.readings = LaggingReadings(lag=3)
     with g:
         per_step = train(g, 12, nan_at=5)
-    assert [row["events"] for row in per_step[4:9]] == [0, 0, 0, 1, 1]
+    assert [row["events"] for row in per_step[4:10]] == [0, 0, 0, 0, 1, 1]
     assert all(row["waits"] == 0 for row in per_step)
     (event,) = g.report
     assert (event.code, event.step, event.op) == ("AMP112", 5, "backward")
@@ -158,6 +160,22 @@ def test_policy_raise_stops_the_optimizer_before_it_applies_the_step_on_the_cpu(
     assert torch.equal(model.weight, before)
 
 
+def test_a_steps_listeners_run_before_the_next_steps_readings_copied_with_its_own():
+    """A step's GradScaler update rides with the next step's copy; the step's record is complete
+    (its listeners run) once its own readings are judged, before the next step's are: an event
+    of step 1 found in that copy is not counted as step 0's."""
+    readings = Readings()
+    judged = []
+    readings.submit([torch.tensor(1.0)], lambda values, step: judged.append(("update", step)))
+    readings.after(lambda: judged.append("step 0 complete"))
+    readings.step = 1
+    readings.submit([torch.tensor(2.0)], lambda values, step: judged.append(("grads", step)))
+    readings.commit()
+    readings.after(lambda: judged.append("after the commit"))
+    readings.poll()
+    assert judged == [("update", 0), "step 0 complete", ("grads", 1), "after the commit"]
+
+
 def test_batches_in_flight_are_bounded():
     """A device that never catches up cannot make the host hold more than MAX_IN_FLIGHT batches:
     the oldest is waited for and judged instead."""
@@ -180,11 +198,13 @@ def test_values_are_judged_in_submission_order_with_their_step():
     readings.step = 7
     readings.submit([torch.tensor([[4.0]], dtype=torch.float64)],
                     lambda values, step: judged.append((values, step)))
-    readings.after(lambda: judged.append("after the first two"))  # nothing committed yet: now
+    readings.after(lambda: judged.append("after the first two"))  # with their commit
     readings.commit()
     readings.after(lambda: judged.append("after the commit"))
     readings.poll()
-    assert judged == ["after the first two", ([1.0, 2.0, 3.0], 0), ([4.0], 7), "after the commit"]
+    readings.after(lambda: judged.append("nothing left: now"))
+    assert judged == [([1.0, 2.0, 3.0], 0), ([4.0], 7), "after the first two", "after the commit",
+                      "nothing left: now"]
     assert dataclasses.astuple(readings.counts) == (1, 1, 0)
 
 
