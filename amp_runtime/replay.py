@@ -42,11 +42,12 @@ every weight), goes unexplained. Instead, the step is re-run:
 
 One replay per anomaly episode: requests while an episode is open (until
 ``Thresholds.auto_quiet_steps`` steps pass without one) extend it and are answered with the
-step that was replayed for it. A skipped
-step whose replay found nothing (the scale settling at start-up overflows only the scaled
-backward) opens no episode: the next skips are replayed too, the first few at once, then 2,
-4, 8 ... steps apart (at most ``auto_quiet_steps``), so a real overflow that starts during the
-scale's settling is still localized and a run that skips every step pays a replay rarely.
+step that was replayed for it. A replay that found nothing for a skipped step (the scale
+settling at start-up overflows only the scaled backward), or whose backward localized nothing
+for non-finite gradients (a norm that overflowed fp32 though each gradient is finite),
+opens no episode: the next requests are replayed too, the first few at once, then 2, 4, 8 ...
+steps apart (at most ``auto_quiet_steps``), so a real fault that starts just after is still
+localized and a run that fails every step unexplained pays a replay rarely.
 Healthy steps pay a forward pre-hook and a few state reads per root call, and two counters per
 optimizer step.
 With ``log_dir``, the first replayed step is saved as a repro bundle (``repro-step<N>.pt``) that
@@ -87,8 +88,8 @@ from .tracking import (
 #: asked for the replay: AMP103 itself, or a skipped step's loss-scale codes.
 _LOCALIZED_FOR = {"AMP103": ("AMP103",), SKIPPED: ("AMP107", "AMP108")}
 
-#: Skipped steps in a row whose replay found nothing that are replayed before backing off.
-_UNEXPLAINED_SKIPS_REPLAYED = 4
+#: Replays in a row that found nothing before the next requests back off.
+_UNEXPLAINED_REPLAYED = 4
 #: Optimizer steps remembered for telling which parameters changed since a call.
 _OPTIMIZER_STEPS_KEPT = 64
 #: Root-module calls kept per step (gradient accumulation calls the model once per micro-step);
@@ -757,16 +758,16 @@ class StepReplay(Monitor):
         self._learning_steps = 0
         #: The step ending now found a root module the ones before had not.
         self._new_root = False
-        #: Requests up to this step belong to an open episode; skips up to the other are not
-        #: replayed (skip replays found nothing), and how many in a row found nothing.
+        #: Requests up to this step belong to an open episode; requests up to the other are not
+        #: replayed (the replays before found nothing), and how many in a row found nothing.
         self._episode_until = -1
         self._episode_step = -1
         #: A parameter found non-finite in the open episode, and the optimizer steps applied
         #: when its parameters were last checked (``_in_episode``).
         self._episode_parameter: Optional[Origin] = None
         self._episode_checked_at = 0
-        self._skip_episode_until = -1
-        self._unexplained_skips = 0
+        self._backoff_until = -1
+        self._unexplained = 0
         self._optimizer_steps = 0
         #: ``(steps so far, optimizer)`` of the latest optimizer steps, to tell which parameters
         #: a step changed (read only by a replay).
@@ -859,7 +860,7 @@ class StepReplay(Monitor):
         if step <= self._episode_until:
             self._episode_until = max(self._episode_until, step + quiet)
             return self._in_episode(step, code)
-        if code == SKIPPED and step <= self._skip_episode_until:
+        if step <= self._backoff_until:
             return None
         outcome = Outcome(step, (code,))
         try:
@@ -993,17 +994,23 @@ class StepReplay(Monitor):
         if outcome.origin is None:  # an AMP101 found before the replay stopped
             outcome.origin = self._forward_causes.get(outcome.step)
         quiet = self.guard.thresholds.auto_quiet_steps
-        if set(outcome.triggers) - {SKIPPED} or outcome.origin is not None:
+        # a replay that found nothing opens an episode for a NaN loss (its later steps fail the
+        # same way), not where its backward localized nothing (a gradient norm that overflowed
+        # fp32 while each gradient was finite; a NaN the loop wrote into a gradient itself)
+        localized_nothing = outcome.origin is None and outcome.reproduced is not None
+        if outcome.origin is not None or (
+            set(outcome.triggers) - {SKIPPED} and not localized_nothing
+        ):
             self._episode_until = outcome.step + quiet
             self._episode_step = outcome.step
             self._episode_parameter = None
             self._episode_checked_at = self._optimizer_steps
-            self._unexplained_skips = 0
-        else:  # nothing found: look again at the next skips, then less and less often
-            self._unexplained_skips += 1
-            backoff = self._unexplained_skips - _UNEXPLAINED_SKIPS_REPLAYED
+            self._unexplained = 0
+        else:  # nothing found: look again at the next requests, then less and less often
+            self._unexplained += 1
+            backoff = self._unexplained - _UNEXPLAINED_REPLAYED
             gap = 0 if backoff < 0 else min(2 ** (backoff + 1), quiet)
-            self._skip_episode_until = outcome.step + gap
+            self._backoff_until = outcome.step + gap
         self.outcomes.append(outcome)
         if outcome.skipped:
             self._warn_once(outcome.skipped, f"step {outcome.step} was not replayed: "

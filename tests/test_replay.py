@@ -1055,3 +1055,28 @@ def test_a_bundle_names_the_module_of_each_non_finite_gradient_when_names_repeat
             optimizer.step()
     saved = torch.load(tmp_path / "repro-step2.pt", weights_only=True)
     assert {tuple(pair) for pair in saved["nonfinite_grads"]} == {(0, "0.weight"), (0, "0.bias")}
+
+
+def test_a_replay_that_found_nothing_leaves_the_next_failing_step_to_be_replayed():
+    """bf16, no scaler. At step 2 a NaN reaches the optimizer in a gradient the loop itself
+    wrote (nothing the model ran made it, so the replay finds nothing); at step 3 the model's
+    forward overflows. The empty replay of step 2 opens no episode: step 3 is replayed and
+    AMP101 names its op (AMP103 turns no per-op trace on, so only the replay can)."""
+    torch.manual_seed(0)
+    model = Net()
+    temperature = nn.Parameter(torch.ones(1))  # stepped, never used by the forward
+    optimizer = torch.optim.SGD([*model.parameters(), temperature], lr=1e-3)
+    with amp_runtime.guard(policy="record", model=model) as g:
+        for step in range(5):
+            x = torch.randn(8, WIDTH)
+            if step == 3:
+                x[0, 0] = 3e38  # finite, but the first linear's bf16 output overflows
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = out.float().pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            temperature.grad = torch.full((1,), float("nan") if step == 2 else 0.0)
+            optimizer.step()
+    assert [e.step for e in g.report.by_code("AMP103")][:1] == [2]
+    assert [e.step for e in g.report.by_code("AMP101")] == [3]

@@ -190,6 +190,50 @@ def test_a_generator_stepped_directly_after_the_scaled_discriminator_step_is_amp
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
+def test_task_weights_stepped_after_the_update_on_scaled_gradients_are_amp006(set_to_none):
+    """Learned loss weights, in a loss module outside the model, with their own optimizer
+    stepped every second iteration after ``scaler.update()``: the scaler never unscales their
+    gradients, which the scaled backwards wrote. The model's own steps are fine."""
+    model, opt = setup(0)
+    log_vars = torch.nn.Parameter(torch.zeros(1))
+    weight_opt = torch.optim.SGD([log_vars], lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        loss = torch.exp(-log_vars) * forward_loss(model) + log_vars
+        opt.zero_grad(set_to_none=set_to_none)
+        scaler.scale(loss.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        if step % 2 == 1:
+            weight_opt.step()  # noqa: AMP006 - steps on gradients multiplied by the scale
+            weight_opt.zero_grad(set_to_none=set_to_none)
+
+    events = run(loop, steps=6).report.by_code("AMP006")
+    assert len(events) == 3  # one per weight_opt.step(), each at the step the guard counts
+    assert all("after scaler.update()" in e.message and e.op == "SGD.step" for e in events)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_second_model_trained_in_fp32_after_the_update_is_not_amp006(set_to_none):
+    """The probe's plain backward and step come after the scaled model's update."""
+    model, opt = setup(0)
+    probe, probe_opt = setup(1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loop(step):
+        opt.zero_grad(set_to_none=set_to_none)
+        scaler.scale(forward_loss(model)).backward()
+        scaler.step(opt)
+        scaler.update()
+        probe_opt.zero_grad(set_to_none=set_to_none)
+        probe(torch.randn(16, 8)).pow(2).mean().backward()
+        probe_opt.step()
+
+    assert run(loop, steps=4).report.by_code("AMP006") == []
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_second_model_trained_in_fp32_beside_the_scaled_one_is_not_amp006(set_to_none):
     """A linear probe trained in fp32 with a plain backward and step while the main model's
     scaled backward waits for ``scaler.step``: its gradients were never scaled."""

@@ -104,6 +104,23 @@ class StepBypassesScaler(Monitor):
             if self._once_per_step("step"):
                 guard.emit("AMP006", op=f"{name}.step", detail=detail)
             return
+        if not pending and self._scaled_and_never_unscaled(optimizer):
+            if self._once_per_step("step"):
+                guard.emit("AMP006", op=f"{name}.step", detail=(
+                    f"{name}.step() runs on gradients a scaled backward wrote, after "
+                    "scaler.update(): they are still multiplied by the loss scale, and steps "
+                    "with inf/NaN gradients are not skipped"))
+
+    def _scaled_and_never_unscaled(self, optimizer) -> bool:
+        """Whether a scaled backward wrote ``optimizer``'s gradients and no scaler ever unscaled
+        them: it steps after the update (task weights stepped every few iterations with a
+        plain ``weight_opt.step()`` after ``scaler.update()``)."""
+        if any(optimizer in state.optimizers for state in self.watch.states.values()):
+            return False
+        if optimizer in self._written_by_scaled:
+            return self._written_by_scaled[optimizer]
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        return any(id(p) in self._first_scaled_params for p in params)
 
     def on_step_end(self, step, record):
         # marks are per step: a step the scaler skipped never ran optimizer.step to renew one

@@ -228,6 +228,8 @@ _ARITHMETIC = frozenset({"+", "-", "*", "/"})
 _MAX_DEPTH = 32
 #: A followed call's parameters take its arguments.
 FROM_CALL = object()
+#: :meth:`Dtypes._in_frames` keeps the receiver it runs with.
+KEEP_RECEIVER = object()
 
 
 def is_low(kind: Optional[str]) -> bool:
@@ -257,6 +259,9 @@ class Dtypes:
         #: element is fed the one before it), else ``FROM_CALL``.
         self._frames: Tuple[Tuple[nodes.FunctionDef, Optional[Region], nodes.Call, object], ...]
         self._frames = ()
+        #: The class of the object ``self`` is while a base class's method is read for a
+        #: subclass's (``_TowerBase.forward`` calling ``self.encode`` for ``ConvImageTower``).
+        self._receiver: Optional[nodes.ClassDef] = None
 
     def constant(self, expr: Optional[nodes.NodeNG]) -> Optional[str]:
         """The kind a dtype expression names (``torch.float16``, ``"torch.cuda.HalfTensor"``,
@@ -379,7 +384,8 @@ class Dtypes:
         if self._too_deep(depth):
             return None
         # cycles through re-assignments or calls, cut as in :class:`CutCache`
-        return self._cache.answer((expr, self._frames), lambda: self._compute(expr, depth + 1))
+        return self._cache.answer(
+            (expr, self._frames, self._receiver), lambda: self._compute(expr, depth + 1))
 
     def _too_deep(self, depth: int) -> bool:
         """``depth`` is past the limit: the query is cut there (and counted as cut)."""
@@ -730,7 +736,8 @@ class Dtypes:
                 kinds.add(self._sequence_input(site, function, arguments, parameter, depth))
             else:
                 argument = argument_for(site, arguments, parameter.name)
-                kinds.add(self._in_frames(self._frames, argument, depth, element))
+                receiver = self._receiver_at(site, function)
+                kinds.add(self._in_frames(self._frames, argument, depth, element, receiver))
             if None in kinds:
                 return None
         return kinds.pop() if len(kinds) == 1 else None
@@ -771,20 +778,45 @@ class Dtypes:
         qualname = self.names.class_qualname(getattr(construction, "func", None)) or ""
         return qualname.startswith("torch.nn.") and qualname not in MODULE_CONTAINERS
 
+    def _receiver_at(self, site: nodes.Call, method: nodes.FunctionDef) -> Optional[nodes.ClassDef]:
+        """The class ``self`` is at ``site``, a ``self.<m>(...)`` call in a base class's method
+        that runs ``method`` of a subclass: the subclass (``_TowerBase.forward`` calling
+        ``self._pool(h, x)`` runs ``ConvImageTower._pool``, and its ``self.encode(x)`` is
+        ``ConvImageTower.encode``); the receiver already known while ``site`` is in a method
+        of its classes; else None."""
+        owner, caller = method.parent, enclosing_class(site)
+        if caller is None:
+            return None
+        if (
+            isinstance(owner, nodes.ClassDef)
+            and caller is not owner
+            and isinstance(site.func, nodes.Attribute)
+            and is_self(site.func.expr)
+            and caller in (self.names.class_mro(owner) or ())
+        ):
+            return owner
+        receiver = self._receiver
+        if receiver is not None and caller in (self.names.class_mro(receiver) or ()):
+            return receiver
+        return None
+
     def _in_frames(
         self, frames: tuple, expr: Optional[nodes.NodeNG], depth: int,
-        element: Union[int, str] = -1,
+        element: Union[int, str] = -1, receiver: object = KEEP_RECEIVER,
     ) -> Optional[str]:
         """The kind of ``expr`` (or of its element or field ``element``) evaluated with
-        ``frames`` followed (its caller's view)."""
+        ``frames`` followed (its caller's view), ``self`` an object of ``receiver`` where
+        given (:meth:`_receiver_at`)."""
         if expr is None:
             return None
-        saved = self._frames
+        saved = self._frames, self._receiver
         self._frames = frames
+        if receiver is not KEEP_RECEIVER:
+            self._receiver = receiver
         try:
             return self._returned(expr, element, depth)
         finally:
-            self._frames = saved
+            self._frames, self._receiver = saved
 
     def _before_augmented(self, binding: nodes.AssignName, depth: int) -> Optional[str]:
         """The one kind of the plain assignments of ``binding``'s name earlier in its scope."""
@@ -995,7 +1027,7 @@ class Dtypes:
             if callee.instance:
                 return self._module_call(call, depth)
             return self._torch_function(call, callee, depth)
-        function = self.names.local_function(call)
+        function = self._dispatched(call, self.names.local_function(call))
         if function is not None and is_abstract(function):
             # ``self.encode(x)`` in a base class whose ``encode`` raises NotImplementedError:
             # what every subclass's ``encode`` returns, if they agree
@@ -1010,6 +1042,19 @@ class Dtypes:
                 return self._module_call(call, depth)  # ``self.norm(x)``: a module, not a method
             return self._method(call, func, depth)
         return self._module_call(call, depth)  # ``model(x)``, ``self.layers[-1](x)``
+
+    def _dispatched(
+        self, call: nodes.Call, function: Optional[nodes.FunctionDef]
+    ) -> Optional[nodes.FunctionDef]:
+        """The method ``self.<m>(...)`` runs on the receiver's object, where a base class's
+        method is read for a subclass (:meth:`_parameter_kind`); else ``function``."""
+        receiver, func = self._receiver, call.func
+        if receiver is None or not isinstance(func, nodes.Attribute) or not is_self(func.expr):
+            return function
+        owner = enclosing_class(call)
+        if owner is None or owner not in (self.names.class_mro(receiver) or ()):
+            return function
+        return self.names.method_of(receiver, func.attrname) or function
 
     def _torch_function(self, call: nodes.Call, callee: Callee, depth: int) -> Optional[str]:
         op = callee.name
