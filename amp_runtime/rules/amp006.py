@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Optional
 
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -117,10 +118,7 @@ class StepBypassesScaler(Monitor):
         plain ``weight_opt.step()`` after ``scaler.update()``)."""
         if any(optimizer in state.optimizers for state in self.watch.states.values()):
             return False
-        if optimizer in self._written_by_scaled:
-            return self._written_by_scaled[optimizer]
-        params = (p for group in optimizer.param_groups for p in group["params"])
-        return any(id(p) in self._first_scaled_params for p in params)
+        return bool(self._written_by_scaled_backward(optimizer))
 
     def on_step_end(self, step, record):
         # marks are per step: a step the scaler skipped never ran optimizer.step to renew one
@@ -145,6 +143,13 @@ class StepBypassesScaler(Monitor):
     def _scaled_gradients(self, optimizer, state) -> bool:
         """Whether a scaled backward wrote the gradients of ``optimizer``, which ``state``'s
         scaler never saw; where unknown, whether the scaler has seen no optimizer yet."""
+        written = self._written_by_scaled_backward(optimizer)
+        return not state.optimizers if written is None else written
+
+    def _written_by_scaled_backward(self, optimizer) -> Optional[bool]:
+        """Whether the backward that last wrote ``optimizer``'s gradients was a scaled one
+        (watched across backwards once it has stepped; in the first step, whether the scaled
+        backwards' graphs reach its parameters); None where unknown."""
         if optimizer in self._written_by_scaled:
             return self._written_by_scaled[optimizer]
         if self._first_scaled_params:
@@ -153,7 +158,7 @@ class StepBypassesScaler(Monitor):
                 return True
             if self._first_search_complete:
                 return False
-        return not state.optimizers
+        return None
 
     def _search_first_scaled(self, root):
         searched = 0

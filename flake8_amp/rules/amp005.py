@@ -51,7 +51,7 @@ class ClipBeforeUnscale(Check):
         analysis = scaler_analysis(self.context)
         flow = analysis.flow(node)
         phases = flow.phases_before(node)
-        scaled = _after_own_scaled_backward(flow, node)
+        scaled = _scaled_on_its_path(phases)
         if not scaled and phases <= {None}:
             scaled = flow.scaled_on_entry(node) or (
                 analysis.scaled_elsewhere(node, clip=True) and not self._reported_at_calls(node)
@@ -70,15 +70,14 @@ class ClipBeforeUnscale(Check):
         analysis = scaler_analysis(self.context)
         return bool(sites) and all(
             clip_kind(self.context, site) is not None
-            and _after_own_scaled_backward(analysis.flow(site), site)
+            and _scaled_on_its_path(analysis.flow(site).phases_before(site))
             for site in sites
         )
 
 
-def _after_own_scaled_backward(flow, node: nodes.Call) -> bool:
-    """A scaled backward of ``node``'s own function precedes it, and no path unscaled the
-    gradients or handed the scaler on since."""
-    phases = flow.phases_before(node)
+def _scaled_on_its_path(phases) -> bool:
+    """``phases`` (a call's :meth:`ScalerFlow.phases_before`) say a scaled backward of its own
+    function precedes it, and no path unscaled the gradients or handed the scaler on since."""
     return SCALED in phases and not phases & {UNSCALED, HELPED}
 
 
