@@ -54,6 +54,25 @@ class Context:
         self.options = options
 
     @functools.cached_property
+    def nodes(self) -> List[nodes.NodeNG]:
+        """Every node of the module in source (pre-)order: the one walk that the rules'
+        hooks and the analyses' module-wide searches share."""
+        return list(walk(self.module))
+
+    def nodes_of(self, node_class: Type[nodes.NodeNG]) -> List[nodes.NodeNG]:
+        """The module's nodes of ``node_class`` (subclasses included), in source order."""
+        found = self._nodes_by_class.get(node_class)
+        if found is None:
+            found = self._nodes_by_class[node_class] = [
+                node for node in self.nodes if isinstance(node, node_class)
+            ]
+        return found
+
+    @functools.cached_property
+    def _nodes_by_class(self) -> Dict[type, List[nodes.NodeNG]]:
+        return {}
+
+    @functools.cached_property
     def names(self) -> Names:
         """Qualified names, call targets, assignments (:mod:`flake8_amp.analysis.names`)."""
         return Names(self)
@@ -136,7 +155,7 @@ def run_checks(context: Context, check_classes: Sequence[Type[Check]]) -> List[F
     checks = [cls(context, findings) for cls in check_classes]
     hooks = _hooks_by_node_class(checks)
     node_kind: Dict[type, str] = {}
-    for node in walk(context.module):
+    for node in context.nodes:
         kind = node_kind.get(type(node))
         if kind is None:
             kind = node_kind[type(node)] = type(node).__name__.lower()

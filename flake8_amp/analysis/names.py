@@ -206,7 +206,7 @@ class Names:
     @functools.cached_property
     def module_calls(self) -> List[nodes.Call]:
         """Every call of the module in source order: one walk that the analyses share."""
-        return list(self.context.module.nodes_of_class(nodes.Call))
+        return self.context.nodes_of(nodes.Call)
 
     @functools.cached_property
     def calls_by_name(self) -> Dict[str, List[nodes.Call]]:
@@ -370,7 +370,7 @@ class Names:
 
     @functools.cached_property
     def module_classes(self) -> List[nodes.ClassDef]:
-        return list(self.context.module.nodes_of_class(nodes.ClassDef))
+        return self.context.nodes_of(nodes.ClassDef)
 
     @functools.cached_property
     def root_model(self) -> Optional[nodes.ClassDef]:
@@ -1306,8 +1306,7 @@ class Names:
     @functools.cached_property
     def record_field_names(self) -> FrozenSet[str]:
         """Every field name of the module's record types: ``out.logits`` may read one."""
-        module = self.context.module
-        definitions = [*module.nodes_of_class(nodes.ClassDef), *module.nodes_of_class(nodes.Assign)]
+        definitions = [*self.context.nodes_of(nodes.ClassDef), *self.context.nodes_of(nodes.Assign)]
         return frozenset(
             name for definition in definitions for name in self._fields_of(definition) or ()
         )
@@ -1416,7 +1415,7 @@ class Names:
         ``backbone.register_buffer("fc", ...)``)."""
         assigned = {
             target.attrname
-            for target in self.context.module.nodes_of_class(nodes.AssignAttr)
+            for target in self.context.nodes_of(nodes.AssignAttr)
             if not is_self(target.expr)
         }
         registered = {
@@ -1543,24 +1542,33 @@ def calls_in_order(node: nodes.NodeNG) -> Iterator[nodes.Call]:
 
 
 def _lookup(name: nodes.Name):
-    """astroid's scope lookup. For a name in a method's decorator, astroid asks whether it
-    is a builtin through its model of ``builtins`` (~0.1 s to build, and ~10^5 objects that
-    every later cyclic collection of the flake8 process scans again); Python's ``builtins``
-    answers that here, and the lookup goes where astroid's would (a builtin-named decorator
-    is looked up in the frame around the class)."""
+    """astroid's scope lookup, without astroid's model of ``builtins``.
+
+    A name no scope binds (a builtin, or a local read before its assignment) ends in
+    astroid's ``builtins`` model: ~0.4 s to build once per flake8 process, and ~10^5
+    objects that every later cyclic collection scans. An empty stand-in answers "not
+    bound here" for the one lookup and is removed after it, so another astroid user of
+    the process still gets the real model. For a name in a method's decorator astroid
+    asks whether it is a builtin: Python's ``builtins`` answers that here, and the lookup
+    goes where astroid's would (a builtin-named decorator is looked up in the frame around
+    the class)."""
     scope = name.scope()
     if isinstance(name.parent, nodes.Decorators) and isinstance(scope, nodes.ClassDef):
         if hasattr(builtins, name.name) and scope.parent is not None:
             return scope.parent.frame()._scope_lookup(name, name.name, -1)
         return scope._scope_lookup(name, name.name)
+    cache = AstroidManager().astroid_cache
+    if "builtins" in cache:
+        return name.lookup(name.name)
+    cache["builtins"] = _NO_BUILTINS
     try:
         return name.lookup(name.name)
-    except KeyError:
-        manager = AstroidManager()
-        if "builtins" in manager.astroid_cache:
-            raise
-        manager.bootstrap()
-        return name.lookup(name.name)
+    finally:
+        del cache["builtins"]
+
+
+#: The stand-in for astroid's ``builtins`` model during :func:`_lookup`: binds nothing.
+_NO_BUILTINS = nodes.Module("builtins", pure_python=False)
 
 
 def _defined_in_module(name: nodes.Name) -> bool:

@@ -910,7 +910,7 @@ class ScalerAnalysis:
             return any(self._updates_a_scaler(caller) for caller in callers)
         if isinstance(scaler, nodes.Name) and _is_global(scaler, self.names):
             module = self.context.module
-            scopes = [module, *module.nodes_of_class(nodes.FunctionDef)]
+            scopes = [module, *self.context.nodes_of(nodes.FunctionDef)]
             return any(
                 method == "update" and expression_key(receiver) == scaler.name
                 for scope in scopes
