@@ -28,6 +28,7 @@ from flake8_amp.analysis.dtypes import CAST_METHODS, FP32, INT, PRESERVING, is_l
 from flake8_amp.analysis.names import (
     chain_root,
     call_argument,
+    keyword_value,
     last_part,
     assigned_value,
     bound_value,
@@ -53,6 +54,9 @@ SYMMETRIC_LOSSES = frozenset(
     {"l1_loss", "mse_loss", "smooth_l1_loss", "huber_loss", "L1Loss", "MSELoss", "SmoothL1Loss",
      "HuberLoss"}
 )
+#: Keyword names of a torch loss's prediction, its first parameter: ``F.ctc_loss(log_probs=...)``,
+#: ``F.margin_ranking_loss(input1=...)``, ``F.triplet_margin_loss(anchor=...)``.
+PREDICTION_KEYWORDS = ("input", "log_probs", "input1", "anchor")
 #: Reductions that make a scalar of a whole tensor (no ``dim``): how a loss ends.
 FULL_REDUCTIONS = frozenset({"mean", "sum"})
 #: Methods returning models whose forward casts outputs to fp32 (accelerate, Lightning Fabric).
@@ -83,8 +87,7 @@ class LossOutsideAutocast(Check):
     def visit_call(self, node: nodes.Call) -> None:
         if self.context.regions.region_at(node) is not None:
             return
-        arg = call_argument(node, 0, "input")
-        if arg is None:
+        if not node.args and not node.keywords:
             return
         definition = self._local_definition(node)
         kind = self._loss_kind(node, definition)
@@ -109,7 +112,9 @@ class LossOutsideAutocast(Check):
         upcasting the embeddings and not the scalar temperature)."""
         if definition is None or not _parameters(definition) and definition.args.vararg:
             # defined elsewhere, or ``forward(self, *args)`` (a deep-supervision wrapper)
-            first = call_argument(node, 0, "input")
+            first = _prediction(node)
+            if first is None:
+                return None
             produced = self._autocast_output_name(first)
             callee = self.context.names.callee(node)
             if (
@@ -132,6 +137,10 @@ class LossOutsideAutocast(Check):
             if isinstance(arg, nodes.Starred):
                 break
             pairs.append((self._upcasts(definition, param.name), arg))
+        named = {param.name for param in _parameters(definition)[len(node.args):]}
+        for keyword in node.keywords or ():
+            if keyword.arg in named:
+                pairs.append((self._upcasts(definition, keyword.arg), keyword.value))
         if any(upcast for upcast, _ in pairs):
             return None
         for _, arg in pairs:
@@ -419,6 +428,15 @@ def _bound_terms(binding: nodes.NodeNG, names) -> List[nodes.NodeNG]:
         return [value]
     iterated = names.iterated(binding) if isinstance(binding, nodes.AssignName) else None
     return [iterated] if iterated is not None else []
+
+
+def _prediction(call: nodes.Call) -> Optional[nodes.NodeNG]:
+    """The prediction a loss call receives: its first argument, positional or by keyword."""
+    for name in PREDICTION_KEYWORDS:
+        value = keyword_value(call, name)
+        if value is not None:
+            return value
+    return call_argument(call, 0, "input")
 
 
 def _parameters(function: nodes.FunctionDef) -> List[nodes.AssignName]:

@@ -971,3 +971,65 @@ def train_vocoder_generator(mpd, generator, mel, y, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
+
+
+# ---- the prediction passed by its own keyword (CTC, ranking, triplet, a loss of the file) ----
+ctc_criterion = nn.CTCLoss(zero_infinity=True)
+
+
+def ctc_loss_by_keywords(model, feats, labels, out_lens, label_lens):
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = model(feats)
+    log_probs = logits.log_softmax(dim=-1).transpose(0, 1)
+    loss = F.ctc_loss(log_probs=log_probs, targets=labels, input_lengths=out_lens, target_lengths=label_lens)  # AMP002
+    loss = loss + ctc_criterion(log_probs=log_probs, targets=labels, input_lengths=out_lens, target_lengths=label_lens)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def ctc_loss_by_keywords_upcast(model, feats, labels, out_lens, label_lens):
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = model(feats)
+    log_probs = logits.float().log_softmax(dim=-1).transpose(0, 1)
+    loss = F.ctc_loss(log_probs=log_probs, targets=labels, input_lengths=out_lens, target_lengths=label_lens)
+    scaler.scale(loss).backward()
+
+
+def ranking_losses_by_keywords(model, a, p, n, y):
+    with torch.autocast("cuda", dtype=torch.float16):
+        anchor, positive, negative = model(a), model(p), model(n)
+    loss = F.triplet_margin_loss(anchor=anchor, positive=positive, negative=negative)  # AMP002
+    loss = loss + F.margin_ranking_loss(input1=anchor.sum(-1), input2=positive.sum(-1), target=y)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def reconstruction_loss(recon, target, mu, logvar):
+    kld = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+    return F.mse_loss(recon, target) + kld
+
+
+def reconstruction_loss_in_fp32(recon, target, mu, logvar):
+    recon, mu, logvar = recon.float(), mu.float(), logvar.float()
+    kld = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+    return F.mse_loss(recon, target) + kld
+
+
+def file_loss_by_keywords(model, x):
+    with torch.autocast("cuda", dtype=torch.float16):
+        recon, mu, logvar = model(x)
+    loss = reconstruction_loss(recon=recon, target=x, mu=mu, logvar=logvar)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def file_loss_by_keywords_upcasting_itself(model, x):
+    with torch.autocast("cuda", dtype=torch.float16):
+        recon, mu, logvar = model(x)
+    loss = reconstruction_loss_in_fp32(recon=recon, target=x, mu=mu, logvar=logvar)
+    scaler.scale(loss).backward()
+
+
+def keyword_target_made_in_region(model, x, y):
+    with torch.autocast("cuda", dtype=torch.float16):
+        pred = model(x)
+        target = model(y).detach()
+    loss = F.mse_loss(input=pred.float(), target=target.float())
+    scaler.scale(loss).backward()
