@@ -12,7 +12,8 @@ Code that picks the API by torch version stays silent: a ``try`` that also tries
 ``torch.amp`` (``except (AttributeError, ImportError, TypeError)``), either arm of an
 ``if``/conditional expression that tests the version (or ``hasattr``) and offers
 ``torch.amp`` somewhere, or offers it in its other arm (unless it tests the amp switch,
-``if amp``), and code after ``if <version test>: return <modern>``. A version test that
+``if amp``, or the device, ``if device.type == "cuda"``: the old API runs on that device
+today), and code after ``if <version test>: return <modern>``. A version test that
 offers no ``torch.amp`` (``if TORCH_VERSION >= "1.6.0": from torch.cuda.amp import ...``)
 chooses nothing: the deprecated API is what runs on current versions.
 """
@@ -43,6 +44,9 @@ FALLBACK_EXCEPTIONS = frozenset(
 VERSION_TEST = re.compile(
     r"version|hasattr|getattr|torch_(ge|gt|le|lt)|_(ge|gt|le|lt)_\d|is_torch_", re.IGNORECASE
 )
+
+#: A test of the device: each arm runs on today's torch, for its device.
+DEVICE_TEST = re.compile(r"device|\b(?:cuda|cpu|gpu|mps|xpu)\b|is_available", re.IGNORECASE)
 
 
 class DeprecatedAmpApi(Check):
@@ -118,11 +122,14 @@ class DeprecatedAmpApi(Check):
         return _is_version_test(branch.test) and self._mentions_modern_api(branch)
 
     def _other_arm_is_modern(self, branch: nodes.NodeNG, child: nodes.NodeNG) -> bool:
-        """The other arm offers ``torch.amp`` and the test is not the amp switch
-        (``autocast() if amp else torch.autocast("cuda", enabled=False)`` picks no API)."""
+        """The other arm offers ``torch.amp`` and the test is neither the amp switch
+        (``autocast() if amp else torch.autocast("cuda", enabled=False)`` picks no API) nor a
+        device test."""
         condition = condition_key(branch.test)
         if condition is not None and condition[0] == AMP_CONDITION:
             return False
+        if DEVICE_TEST.search(branch.test.as_string()) and not _is_version_test(branch.test):
+            return False  # ``torch.autocast("cuda") if on_gpu else torch.cpu.amp.autocast()``
         return any(self._mentions_modern_api(node) for node in other_arm(branch, child))
 
     def _after_version_return(self, statement: nodes.NodeNG) -> bool:

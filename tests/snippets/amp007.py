@@ -625,3 +625,92 @@ class FloatPrefixAttention(CausalAttention):
         T = q.size(-2)
         bias = torch.full((T, T), -1e9, dtype=torch.float32, device=q.device).triu_(1)
         return ((q.float() @ k.float().transpose(-2, -1)) + bias).softmax(-1).to(v.dtype) @ v
+
+
+# ---- a big number in arithmetic whose result is known fp16 (the number becomes inf) ----
+class BertStyleSelfAttention(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1)
+        extended = (1.0 - attention_mask[:, None, None, :].to(scores.dtype)) * -1e9  # AMP007
+        return (scores + extended).softmax(dim=-1) @ v
+
+
+class BertStyleSelfAttentionFinfo(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1)
+        extended = (1.0 - attention_mask[:, None, None, :].to(scores.dtype)) * torch.finfo(scores.dtype).min
+        return (scores + extended).softmax(dim=-1) @ v
+
+
+class BertStyleSelfAttentionSmallBias(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1)
+        extended = (1.0 - attention_mask[:, None, None, :].to(scores.dtype)) * -10000.0
+        return (scores + extended).softmax(dim=-1) @ v
+
+
+def train_bert_style_layers(x, attention_mask, target, optimizer, scaler):
+    layers = [BertStyleSelfAttention(64), BertStyleSelfAttentionFinfo(64),
+              BertStyleSelfAttentionSmallBias(64)]
+    for layer in layers:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = (layer(x, attention_mask) - target).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def gat_attention_in_half(h, weight, adj):
+    e = torch.mm(h.half(), weight.half())
+    zero_vec = -9e15 * torch.ones_like(e)  # AMP007
+    return torch.where(adj > 0, e, zero_vec).softmax(dim=1)
+
+
+def gat_attention_in_fp32(h, weight, adj):
+    e = torch.mm(h.float(), weight.float())
+    zero_vec = -9e15 * torch.ones_like(e)
+    return torch.where(adj > 0, e, zero_vec).softmax(dim=1)
+
+
+def additive_mask_in_region(model, x, mask):
+    with torch.autocast("cuda", dtype=torch.float16):
+        scores = model(x) @ model(x).transpose(-2, -1)
+        scores = scores - NEG_INF * (1.0 - mask.to(scores.dtype))  # AMP007
+        return scores.softmax(dim=-1)
+
+
+def additive_mask_from_fp32_mask(model, x, mask):
+    with torch.autocast("cuda", dtype=torch.float16):
+        scores = model(x) @ model(x).transpose(-2, -1)
+        bias = (1.0 - mask.float()) * -1e9
+        return (scores + bias).softmax(dim=-1)
+
+
+def additive_mask_in_bf16_region(model, x, mask):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        scores = model(x) @ model(x).transpose(-2, -1)
+        scores = scores + (1.0 - mask.to(scores.dtype)) * -1e9
+        return scores.softmax(dim=-1)
+
+
+def additive_mask_of_unknown_dtype(scores, mask):
+    return (scores + mask * -1e9).softmax(dim=-1)
+
+
+def numbers_only(warmup_steps):
+    return 1e9 * warmup_steps + 2e10

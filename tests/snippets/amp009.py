@@ -328,3 +328,23 @@ def vendor_dispatch_to_torch_amp(is_npu_available):
     else:
         from torch.amp import GradScaler as DispatchScaler
     return DispatchScaler("cuda")
+
+
+# ---- a device test picks no API: the old spelling is what that device runs today -------
+def preview_autocast(device):
+    if device.type == "cuda":
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        ctx = torch.cpu.amp.autocast(dtype=torch.bfloat16)  # AMP009
+    return ctx
+
+
+def scaler_for_device():
+    return torch.cuda.amp.GradScaler() if torch.cuda.is_available() else torch.amp.GradScaler("cpu")  # AMP009
+
+
+def autocast_for_device_and_version(device):
+    if hasattr(torch, "amp") and device.type == "cuda":
+        return torch.autocast("cuda")
+    else:
+        return torch.cuda.amp.autocast()
