@@ -57,6 +57,10 @@ SYMMETRIC_LOSSES = frozenset(
 #: Keyword names of a torch loss's prediction, its first parameter: ``F.ctc_loss(log_probs=...)``,
 #: ``F.margin_ranking_loss(input1=...)``, ``F.triplet_margin_loss(anchor=...)``.
 PREDICTION_KEYWORDS = ("input", "log_probs", "input1", "anchor")
+#: Activation checkpointing: runs the forward of the function or model it is given.
+ACTIVATION_CHECKPOINTS = frozenset(
+    {"torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential"}
+)
 #: Reductions that make a scalar of a whole tensor (no ``dim``): how a loss ends.
 FULL_REDUCTIONS = frozenset({"mean", "sum"})
 #: Methods returning models whose forward casts outputs to fp32 (accelerate, Lightning Fabric).
@@ -343,7 +347,8 @@ class LossOutsideAutocast(Check):
 
     def _forward_output(self, value: nodes.NodeNG) -> bool:
         """``model(x)``, ``self.net(x)[0]``, ``ddp_model(x)``, ``x @ w``: low precision, or
-        a call of a model (not a data move, not a library function or a loss)."""
+        a call of a model, also through activation checkpointing (not a data move, not a
+        library function or a loss)."""
         if is_low(self.context.dtypes.of(value)):
             return True
         core = chain_root(value, PRESERVING, attributes=True)
@@ -352,6 +357,8 @@ class LossOutsideAutocast(Check):
         callee = self.context.names.callee(core)
         if callee is None:
             return simple_name(core.func) not in DATA_METHODS
+        if callee.qualname in ACTIVATION_CHECKPOINTS:
+            return True  # ``checkpoint(block, x)`` runs the block's forward
         # Library objects wrapping a model (``DDP(net)``, ``torch.compile(net)``) run its
         # forward; library functions and loss modules do not.
         return callee.instance and not callee.name.endswith("Loss")

@@ -250,8 +250,10 @@ class ScalerDtypeMismatch(Check):
     def _names_scaler(self, scope: nodes.NodeNG) -> bool:
         """An identifier of ``scope`` names a scaler (``loss_scaler(loss, optimizer)``). A name
         that holds only objects of this file's classes that scale no loss (a data normaliser:
-        ``self.scaler = StandardScaler(...)``) does not count."""
-        return any("scaler" in word.lower() and not self._holds_no_loss_scaler(node)
+        ``self.scaler = StandardScaler(...)``) does not count, nor a parameter the function
+        never reads (``def step_fp16(model, opt, x, y, _scaler=None)`` of a benchmark table)."""
+        return any("scaler" in word.lower() and not _parameter(node)
+                   and not self._holds_no_loss_scaler(node)
                    for word, node in _identifiers(scope))
 
     def _holds_no_loss_scaler(self, expr: nodes.NodeNG) -> bool:
@@ -279,6 +281,11 @@ def _identifiers(node: nodes.NodeNG) -> Iterator[Tuple[str, nodes.NodeNG]]:
             yield sub.name, sub
         else:
             yield sub.attrname, sub
+
+
+def _parameter(node: nodes.NodeNG) -> bool:
+    """``node`` declares a parameter: its reads, if any, are names of their own."""
+    return isinstance(node, nodes.AssignName) and isinstance(node.parent, nodes.Arguments)
 
 
 def _fp16_choice(region: Region) -> Optional[Region]:

@@ -1033,3 +1033,33 @@ def keyword_target_made_in_region(model, x, y):
         target = model(y).detach()
     loss = F.mse_loss(input=pred.float(), target=target.float())
     scaler.scale(loss).backward()
+
+
+# ---- a forward run through activation checkpointing ----------------------------------
+def checkpointed_forward_loss_after_block(model, x, y, optimizer):
+    from torch.utils.checkpoint import checkpoint_sequential
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = checkpoint_sequential(model, 4, x, use_reentrant=False)
+    loss = F.mse_loss(out, y)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def checkpointed_block_loss_after_block(block, x, y):
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    loss = F.cross_entropy(out, y)  # AMP002
+    scaler.scale(loss).backward()
+
+
+def checkpointed_forward_upcast(model, x, y):
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = torch.utils.checkpoint.checkpoint_sequential(model, 4, x, use_reentrant=False)
+    loss = F.mse_loss(out.float(), y)
+    scaler.scale(loss).backward()
+
+
+def checkpointed_forward_loss_in_block(model, x, y):
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        loss = F.mse_loss(out, y)
+    scaler.scale(loss).backward()
