@@ -1,5 +1,5 @@
 """EXPECT: AMP101, AMP112, AMP108, AMP107
-MAY: AMP102
+MAY: AMP102, AMP104
 FAULT: LayerNorm-free residual stream. The stream after the deepest block grows from ~1e3 at
 step 0 to ~64000 at step 30 (measured with --plain); at step 31 the fp16 output of the deepest
 block's MLP, `linear` in blocks.9.fc2 (the line `x = x + self.fc2(F.gelu(self.fc1(x)))`),
@@ -12,6 +12,9 @@ step 34 with 512); AMP107 at step 43, where the scale reaches 1 and keeps fallin
 AMP102 may show once per-op checks are on (the same op's finite values reach 65472-65504).
 Before the fault: scale settles 65536 -> 4096 in steps 0-4 (backward overflow while it
 settles, not an event per AMP108's page); unscaled grad norm stays < 97, so no AMP104.
+The run is chaotic in fp16: on another CPU (its fp16 kernels round differently) --plain shows
+the stream crossing 65504 at step 20 and unscaled grad norms of 134 and 241 at steps 6 and 17
+before it, which AMP104 reports as it should; so AMP104 is open.
 
 A small time-series transformer (10 blocks, d=32) trained in fp16 autocast with a GradScaler.
 Someone removed the per-block pre-LayerNorm "for speed" and kept only the final LayerNorm in
