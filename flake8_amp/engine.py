@@ -52,6 +52,7 @@ class Context:
         self.module = module
         self.filename = filename
         self.options = options
+        self._nodes_by_class: Dict[type, List[nodes.NodeNG]] = {}
 
     @functools.cached_property
     def nodes(self) -> List[nodes.NodeNG]:
@@ -67,10 +68,6 @@ class Context:
                 node for node in self.nodes if isinstance(node, node_class)
             ]
         return found
-
-    @functools.cached_property
-    def _nodes_by_class(self) -> Dict[type, List[nodes.NodeNG]]:
-        return {}
 
     @functools.cached_property
     def names(self) -> Names:
