@@ -24,7 +24,8 @@ Judged per function (and per module body, for scripts) from regions whose dtype 
 Each finding sits on the line to change: the ``GradScaler(...)`` construction to delete for
 bf16; for fp16, the autocast expression that names the dtype (``torch.autocast(...)``, or
 the ``ctx = torch.autocast(...) if args.amp else nullcontext()`` that ``with ctx:`` uses).
-A backward of a manually scaled loss (``(loss * 1024.0).backward()``) is not plain.
+A backward of a manually scaled loss (``(loss * 1024.0).backward()``) is not plain, nor one of a
+surrogate carrying a gradient already computed (gradient caching).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from flake8_amp.analysis.names import (
     code_frame,
     conditional_in,
     keyword_value,
+    loop_of,
     names_in,
 )
 from flake8_amp.analysis.regions import BF16, FP16, Region
@@ -230,13 +232,32 @@ class ScalerDtypeMismatch(Check):
         return found
 
     def _manually_scaled(self, tensor: nodes.NodeNG) -> bool:
-        """``scaler.scale(loss)``, ``loss * loss_scale`` or ``loss * 1024.0``."""
+        """``scaler.scale(loss)``, ``loss * loss_scale`` or ``loss * 1024.0``, or a surrogate
+        carrying a gradient already computed (:meth:`_carries_gradient`)."""
         if any("scale" in word.lower() for word in names_in([tensor])):
             return True
         if isinstance(tensor, nodes.BinOp) and tensor.op == "*":
             for operand in (tensor.left, tensor.right):
                 factor = numeric_constant(operand, self.context.names)
                 if factor is not None and factor > 1:
+                    return True
+        return self._carries_gradient(tensor)
+
+    def _carries_gradient(self, expr: nodes.NodeNG, depth: int = 3) -> bool:
+        """``expr`` is built from a ``.grad`` (gradient caching: ``torch.dot(reps,
+        cached.grad)`` per chunk after a scaled backward of the whole batch's loss): its
+        backward carries that gradient, scale included."""
+        if depth <= 0:
+            return False
+        for sub in expr.nodes_of_class((nodes.Attribute, nodes.Name)):
+            if isinstance(sub, nodes.Attribute) and sub.attrname == "grad":
+                return True
+            if not isinstance(sub, nodes.Name):
+                continue
+            for binding in self.context.names.reaching_bindings(sub):
+                loop = loop_of(binding)[0] if isinstance(binding, nodes.AssignName) else None
+                value = loop.iter if loop is not None else bound_value(binding)
+                if value is not None and self._carries_gradient(value, depth - 1):
                     return True
         return False
 

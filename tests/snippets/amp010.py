@@ -559,3 +559,20 @@ def backward_and_step(loss, optimizer, scaler):
 
 
 STEP_FUNCTIONS = {"fp16": step_fp16_unscaled, "fp16_scaled": step_fp16_scaled}
+
+
+# ---- gradient caching: chunks replayed with the gradient a scaled backward left -------
+def gradient_cached_step(model, images, chunk_size, optimizer, scaler, contrastive):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        reps = torch.cat([model(c) for c in images.split(chunk_size)])
+    reps = reps.float().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = contrastive(reps)
+    scaler.scale(loss).backward()
+    for chunk, grad in zip(images.split(chunk_size), reps.grad.split(chunk_size)):
+        with torch.autocast("cuda", dtype=torch.float16):
+            chunk_reps = model(chunk)
+            surrogate = torch.dot(chunk_reps.flatten().float(), grad.flatten())
+        surrogate.backward()
+    scaler.step(optimizer)
+    scaler.update()
