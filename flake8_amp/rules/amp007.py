@@ -61,17 +61,15 @@ FILL_NAMES = frozenset(FILL_METHODS) | {"full", "full_like", "where", "pad"}
 #: ``2 ** 32``, ``torch.finfo(torch.float32)``. Digits after a decimal point, in names or in
 #: paths (``0.7978845608``, ``issues/70627``) are not integers. The leading lookahead lets the
 #: regex engine skip the characters no alternative starts with (3x faster over a large file).
+_BIG_EXPONENT = r"[eE]\+?0?(?:[5-9]|[1-9]\d)"  # ``e5`` and up
 BIG_LITERAL = re.compile(
     r"(?=[\d*f])(?:"
-    r"\d[eE]\+?0?(?:[5-9]|[1-9]\d)"
+    rf"\d{_BIG_EXPONENT}"
     r"|(?<![\w./#])(?:\d{6}|[6-9]\d{4}\b|\d+(?:_\d{3})+)"
     r"|\*\*\s*\d\d|finfo\(torch\.(?:float|double))"
 )
 #: A big literal in arithmetic (``* -1e9``, ``-9e15 *``, ``= -1e9`` for a named constant).
-BIG_ARITHMETIC = re.compile(
-    r"[-+*]\s*\d[\d.]*[eE]\+?0?(?:[5-9]|[1-9]\d)"
-    r"|\d[eE]\+?0?(?:[5-9]|[1-9]\d)\s*[*+-]"
-)
+BIG_ARITHMETIC = re.compile(rf"[-+*]\s*\d[\d.]*{_BIG_EXPONENT}|\d{_BIG_EXPONENT}\s*[*+-]")
 #: Arithmetic in which a number becomes inf when the result is fp16, as the message names it.
 ARITHMETIC_OPS = {"*": "a multiplication", "+": "an addition", "-": "a subtraction"}
 CONTAINER_NODES = (

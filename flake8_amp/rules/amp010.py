@@ -43,7 +43,6 @@ from flake8_amp.analysis.names import (
     code_frame,
     conditional_in,
     keyword_value,
-    loop_of,
     names_in,
 )
 from flake8_amp.analysis.regions import BF16, FP16, Region
@@ -249,14 +248,17 @@ class ScalerDtypeMismatch(Check):
         backward carries that gradient, scale included."""
         if depth <= 0:
             return False
+        names = self.context.names
         for sub in expr.nodes_of_class((nodes.Attribute, nodes.Name)):
             if isinstance(sub, nodes.Attribute) and sub.attrname == "grad":
                 return True
             if not isinstance(sub, nodes.Name):
                 continue
-            for binding in self.context.names.reaching_bindings(sub):
-                loop = loop_of(binding)[0] if isinstance(binding, nodes.AssignName) else None
-                value = loop.iter if loop is not None else bound_value(binding)
+            for binding in names.reaching_bindings(sub):
+                value = bound_value(binding)
+                if value is None and isinstance(binding, nodes.AssignName):
+                    # a tuple loop target: its own sequence (``grad`` in ``zip(.., g.split(n))``)
+                    value = names.iterated(binding)
                 if value is not None and self._carries_gradient(value, depth - 1):
                     return True
         return False
